@@ -1,0 +1,1 @@
+"""encoder_svc service."""

@@ -1,0 +1,78 @@
+"""The op interface every layer calls; the torch backend serves on CPU, Triton on CUDA.
+
+Every op listed here goes through a backend: models never call a kernel directly, so a
+flag (``--attention-backend``) or the device picks the implementation for all of them.
+Contracts (shapes, dtypes, in-place-ness) are those of the torch reference in
+``services/kernels/torch_backend.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.kernels.metadata import AttentionMetadata, SamplingTensors
+
+
+class Backend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        """Scatter the new K/V rows into their cache slots (negative slot: skip the row)."""
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D], query's dtype
+        """Causal paged attention over cached prefix + new tokens; GQA when Hq > Hkv."""
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        residual: torch.Tensor | None = None,  # [T, H]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm in fp32. With residual: returns (norm(x + residual), x + residual)."""
+
+    def rotary(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] fp32: cos in the first half, sin in the second
+        is_neox: bool,
+    ) -> None:
+        """Rotate the first rot_dim features of query and key in place."""
+
+    def sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """logits [B, V] fp32 (penalties applied) -> sampled token ids [B] int64."""
+
+
+def get_backend(name: str, device: torch.device) -> Backend:
+    """``auto`` picks Triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from services.kernels.torch_backend import TorchBackend
+
+        return TorchBackend()
+    if name == "triton":
+        try:
+            from services.kernels.triton_backend import TritonBackend
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ValueError(f"attention backend 'triton' is unavailable: {e}") from e
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or triton)")

@@ -1,0 +1,87 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops. Validated at construction."""
+
+    # Softmax temperature; 0 means greedy (argmax).
+    temperature: float = 1.0
+    # Keep the k most likely tokens; 0 or -1 disables.
+    top_k: int = 0
+    # Nucleus sampling: keep the smallest set whose probability mass reaches top_p.
+    top_p: float = 1.0
+    # Drop tokens whose probability is below min_p * max probability.
+    min_p: float = 0.0
+    # OpenAI-style penalties over generated tokens, in [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF-style multiplicative penalty over prompt and generated tokens, > 0.
+    repetition_penalty: float = 1.0
+    # Per-request seed: the same seed gives the same tokens whatever the batch.
+    seed: int | None = None
+    # Maximum number of generated tokens; None means up to the context length.
+    max_tokens: int | None = 16
+    # No stop condition (EOS, stop ids, stop strings) applies before this many tokens.
+    min_tokens: int = 0
+    # Extra token ids that end the request (the token is kept in the output).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Strings that end the request; the stop string is not part of the text.
+    stop: list[str] = field(default_factory=list)
+    # Keep generating after EOS.
+    ignore_eos: bool = False
+    # Number of top logprobs to return per generated token (None: no logprobs).
+    logprobs: int | None = None
+    # Detokenize while generating (the gateway detokenizes itself and turns this off).
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (or -1 to disable), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
