@@ -20,7 +20,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths, starts at 0
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0; only the first ceil(seq_len / block_size) entries are read
-    slot_mapping: torch.Tensor  # [T] int64, cache slot (block_id * block_size + offset) of each new token
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64, cache slot (block_id * block_size + offset) of each new token
     max_query_len: int
     max_seq_len: int
     # Host copies of the lengths, so the torch path never syncs with the device.

@@ -158,7 +158,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     masked = mask_logits(logits, t)
     seeds, positions = t.seeds.tolist(), t.positions.tolist()
     noise = torch.stack(
-        [gumbel_noise(s, p, logits.shape[-1], logits.device) for s, p in zip(seeds, positions, strict=True)]
+        [
+            gumbel_noise(s, p, logits.shape[-1], logits.device)
+            for s, p in zip(seeds, positions, strict=True)
+        ]
     )
     sampled = (masked + noise).argmax(dim=-1)
     return torch.where(t.temperature > 0, sampled, greedy)

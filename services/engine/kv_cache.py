@@ -1,0 +1,42 @@
+"""The paged KV pool: one preallocated tensor, viewed as (K, V) per layer."""
+
+from __future__ import annotations
+
+import torch
+
+MIB = 1 << 20
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+class KVCachePool:
+    """``data`` is [2, layers, blocks, block_size, kv_heads, head_dim]; block ids index dim 2."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget leaves no block; raise kv_cache_memory_mb")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.data[0, i], self.data[1, i]) for i in range(num_layers)]
+
+    @classmethod
+    def from_budget(cls, budget_mb, num_layers, block_size, num_kv_heads, head_dim, dtype, device):
+        per_block = block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return cls(num_layers, int(budget_mb * MIB // per_block), block_size, num_kv_heads,
+                   head_dim, dtype, device)  # fmt: skip
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[2, layers, len(block_ids), block_size, kv_heads, head_dim] copy (KV export)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        return self.data.index_select(2, idx)
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Inverse of ``read_blocks`` (KV import)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        self.data.index_copy_(2, idx, blocks.to(self.data.dtype))

@@ -1,0 +1,164 @@
+"""The synchronous engine: requests in, one step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from services.config import EngineConfig
+from services.engine.block_manager import BlockManager
+from services.engine.input_processor import InputProcessor
+from services.engine.kv_cache import KVCachePool
+from services.engine.model_runner import ModelRunner
+from services.engine.output_processor import RequestState
+from services.engine.request import Request, RequestStatus
+from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.images import ImagePreprocessor
+from services.kernels.backend import get_backend
+from services.models.factory import LoadedModel, load_model, resolve_device
+from services.models.registry import is_multimodal
+from services.outputs import RequestOutput
+from services.sampling_params import SamplingParams
+from services.tokenization import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(lm: LoadedModel, tokenizer) -> tuple[int, ...]:
+    gen = lm.model_dir / "generation_config.json"
+    eos = None
+    if gen.exists():
+        import json
+
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(lm.text_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+class LLMEngine:
+    """Owns model, KV pool, scheduler and per-request output state (one thread)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.backend = get_backend(config.attention_backend, resolve_device(config.device))
+        self.loaded = lm = load_model(config, self.backend)
+        self.model = lm.model
+        self.tokenizer = load_tokenizer(lm.model_dir)
+        self.multimodal = is_multimodal(lm.model)
+        self.image_preprocessor = ImagePreprocessor(lm.model_dir) if self.multimodal else None
+        self.eos_token_ids = _eos_ids(lm, self.tokenizer)
+        self.max_model_len = lm.max_model_len
+        self.kv = self._make_kv_pool(lm)
+        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)  # fmt: skip
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=lm.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+        ), self.block_manager)  # fmt: skip
+        self.runner = ModelRunner(lm.model, self.kv, self.backend, lm.device)
+        self.inputs = InputProcessor(
+            self.tokenizer, lm.max_model_len, lm.text_config.vocab_size,
+            getattr(lm.model, "image_token_id", None), getattr(lm.model, "tokens_per_image", 0),
+            lm.fingerprint,
+        )  # fmt: skip
+        self.states: dict[str, RequestState] = {}
+        self._rng = random.Random(config.seed)
+
+    def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
+        c, m = self.config, lm.model
+        args = (lm.num_layers, c.block_size, m.num_kv_heads, m.head_dim, lm.dtype, lm.device)
+        if c.num_kv_blocks is not None:
+            return KVCachePool(lm.num_layers, c.num_kv_blocks, *args[1:])
+        return KVCachePool.from_budget(c.kv_cache_memory_mb, *args)
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    image_embeds: list[torch.Tensor] | None = None,
+                    add_special_tokens: bool = True) -> Request:  # fmt: skip
+        """Validate and queue a request; raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        if request_id in self.states:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        p = self.inputs.process(prompt, add_special_tokens)
+        self._check_budget(len(p.token_ids))
+        embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
+        req = Request(request_id, p.token_ids, params, self.eos_token_ids, p.spans,
+                      time.monotonic(), self.max_model_len)  # fmt: skip
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self.runner.add_request(req, seed, embeds)
+        self.states[request_id] = RequestState(request_id, p.prompt, p.token_ids, params,
+                                               self.tokenizer)  # fmt: skip
+        self.scheduler.add_request(req)
+        return req
+
+    def _check_budget(self, n: int) -> None:
+        c = self.config
+        if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens exceeds max_num_batched_tokens without chunked prefill"
+            )
+        blocks = (n + c.block_size) // c.block_size
+        if blocks > self.kv.num_blocks:
+            raise ValueError(f"prompt needs {blocks} KV blocks; the pool has {self.kv.num_blocks}")
+
+    @torch.inference_mode()
+    def encode_images(self, images: list) -> list[torch.Tensor]:
+        """PIL images -> one embedding tensor [tokens_per_image, hidden] per image."""
+        if not images:
+            return []
+        pixels = self.image_preprocessor(images).to(self.loaded.device)
+        return list(self.model.encode_images(pixels))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort_request(request_id)
+        state = self.states.pop(request_id, None)
+        self.runner.drop_request(request_id)
+        if req is None or state is None:
+            return None
+        state.finish("abort")
+        return state.make_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        for rid in so.finished_ids:
+            self.runner.drop_request(rid)
+        result = self.runner.execute(so.scheduled)
+        finished = self.scheduler.update_from_output(so, result.sampled)
+        touched: dict[str, RequestState] = {}
+        for rid, token in result.sampled.items():
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            touched[rid] = state
+            stop = state.append(token, result.logprobs.get(rid))
+            if stop is not None:
+                state.finish("stop", stop)
+                req = self.scheduler.get_request(rid)
+                if req is not None and not req.is_finished:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop)
+                    self.runner.drop_request(rid)
+        for req in finished:
+            if req.request_id in self.states:
+                self.states[req.request_id].finish(req.status.value, req.stop_reason)
+                touched[req.request_id] = self.states[req.request_id]
+        for item in so.scheduled:
+            if item.request.request_id in touched:
+                touched[item.request.request_id].num_cached_tokens = item.request.num_cached_tokens
+        outputs = [s.make_output() for s in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self.states.pop(out.request_id, None)
+                self.runner.drop_request(out.request_id)
+        return outputs

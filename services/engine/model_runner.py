@@ -1,0 +1,131 @@
+"""Builds one step's inputs from the scheduler output, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.kv_cache import KVCachePool
+from services.engine.request import Request
+from services.engine.sampler import TokenLogprobs, sample
+from services.kernels.backend import Backend
+from services.kernels.metadata import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """Per-step inputs; long-lived per-request state lives in Request and the runner."""
+
+    input_ids: torch.Tensor  # [T] int64, the new tokens of every scheduled request, packed
+    positions: torch.Tensor  # [T] int64, their positions in their sequences
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64, row of the last new token of each sampling request
+    sampling: list[Request]  # the S requests that sample this step, in logits_indices order
+    # Image embedding rows to place: (first row in the step, embeddings [n, hidden]).
+    mm_rows: list[tuple[int, torch.Tensor]]
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and per-request tensors (image embeddings, seeds)."""
+
+    def __init__(self, model, kv: KVCachePool, backend: Backend, device: torch.device):
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.device = device
+        self.block_size = kv.block_size
+        self.mm_embeds: dict[str, list[torch.Tensor]] = {}
+        self.seeds: dict[str, int] = {}
+
+    def add_request(self, req: Request, seed: int, image_embeds: list[torch.Tensor]) -> None:
+        self.seeds[req.request_id] = seed
+        if image_embeds:
+            self.mm_embeds[req.request_id] = image_embeds
+
+    def drop_request(self, request_id: str) -> None:
+        self.seeds.pop(request_id, None)
+        self.mm_embeds.pop(request_id, None)
+
+    def _image_rows(self, req: Request, start: int, end: int, row0: int):
+        """Embedding rows of the request's images that fall in token range [start, end)."""
+        rows = []
+        for span, emb in zip(req.images, self.mm_embeds.get(req.request_id, []), strict=True):
+            lo, hi = max(start, span.offset), min(end, span.offset + span.length)
+            if lo < hi:
+                rows.append((row0 + lo - start, emb[lo - span.offset : hi - span.offset]))
+        return rows
+
+    def prepare(self, scheduled) -> StepInputs:
+        ids, pos, slots, qlens, seqlens, tables = [], [], [], [], [], []
+        logits_idx, sampling, mm_rows = [], [], []
+        bs = self.block_size
+        for item in scheduled:
+            req, start, n = item.request, item.start, item.num_new_tokens
+            row0 = len(ids)
+            ids.extend(req.all_token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            qlens.append(n)
+            seqlens.append(start + n)
+            tables.append(req.block_ids)
+            if req.images:
+                mm_rows.extend(self._image_rows(req, start, start + n, row0))
+            if start + n == req.num_tokens:
+                logits_idx.append(len(ids) - 1)
+                sampling.append(req)
+        return StepInputs(
+            input_ids=self._tensor(ids, torch.long),
+            positions=self._tensor(pos, torch.long),
+            attn=self._attn_meta(qlens, seqlens, tables, slots),
+            logits_indices=self._tensor(logits_idx, torch.long),
+            sampling=sampling,
+            mm_rows=mm_rows,
+        )
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _attn_meta(self, qlens, seqlens, tables, slots) -> AttentionMetadata:
+        width = max((len(t) for t in tables), default=0)
+        table = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        starts = [0]
+        for q in qlens:
+            starts.append(starts[-1] + q)
+        return AttentionMetadata(
+            query_start_loc=self._tensor(starts, torch.int32),
+            seq_lens=self._tensor(seqlens, torch.int32),
+            block_tables=table.to(self.device, non_blocking=True),
+            slot_mapping=self._tensor(slots, torch.long),
+            max_query_len=max(qlens, default=0),
+            max_seq_len=max(seqlens, default=0),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seqlens,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled) -> StepOutput:
+        if not scheduled:
+            return StepOutput({}, {})
+        step = self.prepare(scheduled)
+        embeds = self.model.embed(step.input_ids)
+        for row, emb in step.mm_rows:
+            embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
+        hidden = self.model(step.positions, embeds, self.kv.layers, step.attn)
+        if not step.sampling:
+            return StepOutput({}, {})
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        seeds = [self.seeds.get(r.request_id, 0) for r in step.sampling]
+        tokens, lps = sample(logits, step.sampling, seeds, self.backend)
+        ids = [r.request_id for r in step.sampling]
+        sampled = dict(zip(ids, tokens.tolist(), strict=True))
+        logprobs = {rid: lp for rid, lp in zip(ids, lps, strict=True) if lp is not None}
+        return StepOutput(sampled, logprobs)

@@ -1,0 +1,259 @@
+"""Continuous-batching scheduler: one token budget per step (STYLE.md 3), torch-free.
+
+A request needs ``num_tokens - num_computed_tokens`` tokens computed; prefill, chunked
+prefill and decode are the same loop. Running requests are served first, then waiting
+ones are admitted FIFO. When the KV pool runs out, the most recently admitted running
+request is preempted by recompute: its blocks are freed and it goes back to the front
+of the waiting queue (its cached prefix blocks usually make the recompute cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.engine.block_manager import BlockManager
+from services.engine.request import Request, RequestStatus
+from services.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Per-step limits of the scheduler. Validated at construction."""
+
+    # Most tokens computed in one step, over all requests (prefill chunks + decodes).
+    max_num_batched_tokens: int = 8192
+    # Most requests running (holding KV blocks and scheduled) at once.
+    max_num_seqs: int = 256
+    # Context length: prompt + output tokens of one request never exceed it.
+    max_model_len: int
+    # Split long prompts over several steps; off, a prompt is admitted whole or not yet.
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Otherwise a long prompt could never fit one step and would block the queue.
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+def _stop(request: Request) -> tuple[RequestStatus, int | None] | None:
+    """(status, stop_reason) if the request must stop after its last token."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens and request.output_token_ids:
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, last
+    # max_total_tokens folds max_tokens and max_model_len; min_tokens <= max_tokens, so
+    # only the context length can cut a request short of min_tokens.
+    if request.num_tokens >= request.max_total_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+def check_stop(request: Request) -> RequestStatus | None:
+    """The finished status the request reaches with its last token, or None to go on.
+
+    EOS (unless ignore_eos) and ``stop_token_ids`` stop it once ``min_tokens`` outputs
+    exist; ``max_tokens`` and the context length end it whatever min_tokens says.
+    """
+    result = _stop(request)
+    return None if result is None else result[0]
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        # Total preemptions so far (a metric, and tests force them).
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks and scheduled each step."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (new or preempted)."""
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (FIFO). A request may arrive holding imported KV blocks
+        (``block_ids`` and ``num_computed_tokens`` set); it then skips the prefix cache.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.max_model_len = min(request.max_model_len, self.config.max_model_len)
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        rid = request.request_id
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if request.num_prompt_tokens > request.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_model_len={request.max_model_len}"
+            )
+        if request.num_computed_tokens >= request.num_tokens:
+            raise ValueError(f"request {rid!r} has no token left to compute")
+        # Alone in the engine a request must be able to reach its last token; otherwise
+        # it would preempt itself and be readmitted forever.
+        bm = self.block_manager
+        need = -(-request.max_total_tokens // bm.block_size)
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"request {rid!r} may need {need} KV blocks ({request.max_total_tokens} "
+                f"tokens), the pool has {bm.num_blocks}; lower max_tokens"
+            )
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; None if unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """Finish a request from outside the step loop (stop strings, aborts)."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # ----------------------------------------------------------------- step
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and grow their block tables to cover them."""
+        output = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # Admitting after a preemption would only take the blocks just freed for the
+        # preempted request, which is first in line.
+        if not output.preempted_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # no token sampled last step: nothing known to compute
+                index += 1
+                continue
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    return budget  # it was the last one running
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.block_ids:  # KV imported from a prefill instance
+                computed, num_cached = None, request.num_computed_tokens
+            else:
+                computed, num_cached = self.block_manager.get_computed_blocks(request)
+            remaining = request.num_tokens - num_cached
+            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
+                break
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                break  # FIFO: later requests do not overtake the head
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new,
+            start=start,
+            sample=start + num_new >= request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[Request]:
+        """Apply a step's results; return the requests that finished with it.
+
+        ``sampled`` maps request id to the token sampled for it; only requests whose
+        step reached their last known token have one.
+        """
+        finished: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            token = sampled.get(request.request_id)
+            if token is None or not item.sample:
+                continue
+            request.append_output_token(token)
+            stop = _stop(request)
+            if stop is not None:
+                request.stop_reason = stop[1]
+                self._finish(request, stop[0])
+                finished.append(request)
+        return finished

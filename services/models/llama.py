@@ -1,0 +1,205 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) on the paged KV cache.
+
+The four architectures differ only in flags (qkv bias, per-head q/k RMSNorm); each is a
+subclass that sets them, registered by its ``architectures`` name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.kernels.backend import Backend
+from services.kernels.metadata import AttentionMetadata
+from services.models.loader import CheckpointError, copy_param
+from services.models.rope import cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# checkpoint projection name -> (fused parameter, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.backend = backend
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
+        bias = qkv_bias or getattr(cfg, "attention_bias", False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        o_bias = getattr(cfg, "attention_bias", False) and not qkv_bias
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(self, positions, h, kv: KVCache, meta: AttentionMetadata, rope: torch.Tensor):
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            d = self.head_dim
+            q = self.backend.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps)
+            k = self.backend.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
+            q = q.view(t, self.num_heads, d)
+            k = k.view(t, self.num_kv_heads, d)
+        q, k = q.contiguous(), k.contiguous()
+        self.backend.rotary(positions, q, k, rope, True)
+        self.backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        o = self.backend.attention(q, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.inter = cfg.intermediate_size
+        self.shard_sizes = [self.inter, self.inter]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+
+    def forward(self, h):
+        gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.backend = backend
+        self.self_attn = Attention(cfg, backend, qkv_bias, qk_norm)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, residual, kv, meta, rope):
+        norm = self.input_layernorm
+        if residual is None:
+            residual = h
+            h = self.backend.rms_norm(h, norm.weight, norm.eps)
+        else:
+            h, residual = self.backend.rms_norm(h, norm.weight, norm.eps, residual)
+        h = self.self_attn(positions, h, kv, meta, rope)
+        norm = self.post_attention_layernorm
+        h, residual = self.backend.rms_norm(h, norm.weight, norm.eps, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, kv_caches, meta, rope):
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(positions, h, residual, kv, meta, rope)
+        h, _ = self.backend.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    """Text decoder: ``forward`` returns hidden states, ``compute_logits`` the head."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, cfg, backend: Backend, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, backend, self.qkv_bias, self.qk_norm)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.register_buffer("rope", cos_sin_cache(cfg, attn.head_dim, max_positions), False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, positions, inputs_embeds, kv_caches, meta) -> torch.Tensor:
+        return self.model(positions, inputs_embeds, kv_caches, meta, self.rope)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF names (``model.layers.0.self_attn.q_proj.weight`` ...) into fused params."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie and name.startswith("lm_head.")):
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise CheckpointError(f"unexpected weight {name!r} in the checkpoint")
+            if shard is None:
+                copy_param(params[target], tensor, name)
+            else:
+                self._load_shard(params[target], target, shard, tensor, name)
+            seen.add(f"{target}#{shard}")
+        self._check_complete(params, seen)
+
+    def _load_shard(self, param, target, shard, tensor, name) -> None:
+        owner = self.get_submodule(target.rsplit(".", 2)[0])
+        sizes = owner.shard_sizes
+        start = sum(sizes[:shard])
+        copy_param(param.narrow(0, start, sizes[shard]), tensor, name)
+
+    def _check_complete(self, params: dict, seen: set[str]) -> None:
+        missing = []
+        for name in params:
+            if "qkv_proj" in name or "gate_up_proj" in name:
+                n = 3 if "qkv_proj" in name else 2
+                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in seen]
+            elif f"{name}#None" not in seen:
+                missing.append(name)
+        if missing:
+            raise CheckpointError(f"weights missing from the checkpoint: {missing[:8]}")
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for ckpt, (fused, shard) in _STACKED.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{fused}."), shard
+    return name, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

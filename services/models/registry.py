@@ -1,0 +1,38 @@
+"""Architecture registry: the checkpoint's ``architectures`` name picks the model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from services.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from services.models.llava import LlavaForConditionalGeneration
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture has no implementation here."""
+
+
+def resolve(architectures: list[str] | None) -> type[nn.Module]:
+    for arch in architectures or []:
+        if arch in MODELS:
+            return MODELS[arch]
+    raise UnsupportedModelError(
+        f"unsupported architecture {architectures!r}; supported: {sorted(MODELS)}"
+    )
+
+
+def is_multimodal(model: nn.Module) -> bool:
+    return hasattr(model, "encode_images")

@@ -1,0 +1,50 @@
+"""Tokenizer loading and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.models.loader import CheckpointError
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer from {model_dir}: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window (from ``prefix_offset``) and emits only the part after the
+    previously emitted text; a window whose text ends in U+FFFD is an incomplete
+    multi-byte character and is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        # Start the window a few prompt tokens back so the first word gets its spacing.
+        self.tokens = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated ids; return the new text (possibly empty)."""
+        self.tokens.extend(token_ids)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :] if full.startswith(prefix) else full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        self.text += delta
+        return delta

@@ -1,0 +1,99 @@
+"""Tiny random checkpoints written with transformers' save_pretrained (fixed seeds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from services.models.demo import _build_tokenizer
+
+TEXT_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _text_config(kind: str, vocab: int, tok, **over):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "mistral": MistralConfig}[kind]  # fmt: skip
+    kw = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=kind == "qwen3", head_dim=16,
+    )  # fmt: skip
+    if kind == "mistral":
+        kw["sliding_window"] = None
+    kw.update(over)
+    return cls(**kw)
+
+
+def _randomize(model, seed: int, std: float = 0.1) -> None:
+    """Larger-than-default random weights: peaky logits, so greedy never sits on a tie."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def make_text_checkpoint(
+    root: Path, kind: str, seed: int = 0, shards: bool = False, **over
+) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    out = root / f"{kind}-{seed}{'-sharded' if shards else ''}"
+    if (out / "config.json").exists():
+        return out
+    tok = _build_tokenizer(out)
+    cfg = _text_config(kind, len(tok), tok, **over)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    _randomize(model, seed)
+    model.generation_config.eos_token_id = tok.sep_token_id
+    model.save_pretrained(str(out), max_shard_size="1MB" if shards else "10GB")
+    return out
+
+
+def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama", seed: int = 0,
+                          strategy: str = "default", feature_layer=-2) -> Path:  # fmt: skip
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    out = root / f"llava-{vision}-{text}-{strategy}-{seed}"
+    if (out / "config.json").exists():
+        return out
+    tok = _build_tokenizer(out)
+    vcls = CLIPVisionConfig if vision == "clip" else SiglipVisionConfig
+    vcfg = vcls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                image_size=32, patch_size=8)  # fmt: skip
+    tcfg = _text_config(text, len(tok), tok)
+    cfg = LlavaConfig(vision_config=vcfg, text_config=tcfg,
+                      image_token_index=tok.convert_tokens_to_ids("<image>"),
+                      vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer)  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    model.generation_config.eos_token_id = tok.sep_token_id
+    model.save_pretrained(str(out))
+    proc = CLIPImageProcessor if vision == "clip" else SiglipImageProcessor
+    kw = (
+        {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+        if vision == "clip"
+        else {"size": {"height": 32, "width": 32}}
+    )
+    proc(**kw).save_pretrained(str(out))
+    return out
+
+
+def random_image(seed: int, size=(40, 30)) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
+    return Image.fromarray(arr)

@@ -1,0 +1,35 @@
+"""transformers as the reference: greedy tokens and raw logprobs, one prompt at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    if "llava" in path.name:
+        model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int, pixel_values=None):
+    """-> (generated ids, top-5 raw logprobs per step as [(id, logprob)])."""
+    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
+    out = model.generate(
+        torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True, attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
+        **kwargs,
+    )  # fmt: skip
+    ids = out.sequences[0, len(input_ids) :].tolist()
+    top = []
+    for step_logits in out.logits:
+        lp = torch.log_softmax(step_logits[0].float(), dim=-1)
+        vals, idx = lp.topk(5)
+        top.append(list(zip(idx.tolist(), vals.tolist(), strict=True)))
+    return ids, top
