@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    # Prefill role only: the prompt's KV blocks, [2, layers, n, block, kv_heads, head_dim].
+    # ``finished`` with no finish_reason then means "handed off to a decode instance".
+    kv_blocks: object | None = None

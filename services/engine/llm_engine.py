@@ -70,6 +70,7 @@ class LLMEngine:
             lm.fingerprint,
         )  # fmt: skip
         self.states: dict[str, RequestState] = {}
+        self._exports: set[str] = set()
         self._rng = random.Random(config.seed)
 
     def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
@@ -82,8 +83,12 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     image_embeds: list[torch.Tensor] | None = None,
-                    add_special_tokens: bool = True) -> Request:  # fmt: skip
-        """Validate and queue a request; raises ValueError naming the problem."""
+                    add_special_tokens: bool = True, export_kv: bool = False) -> Request:  # fmt: skip
+        """Validate and queue a request; raises ValueError naming the problem.
+
+        ``export_kv`` is the prefill role: the request stops after its first token and
+        its output carries the prompt's KV blocks for a decode instance.
+        """
         params = params or SamplingParams()
         if request_id in self.states:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -97,6 +102,40 @@ class LLMEngine:
         self.states[request_id] = RequestState(request_id, p.prompt, p.token_ids, params,
                                                self.tokenizer)  # fmt: skip
         self.scheduler.add_request(req)
+        if export_kv:
+            self._exports.add(request_id)
+        return req
+
+    def import_request(self, request_id: str, prompt_ids: list[int], first_token: int,
+                       params: SamplingParams, kv_blocks: torch.Tensor) -> Request:  # fmt: skip
+        """Decode role: continue a request whose prompt KV was computed elsewhere.
+
+        ``kv_blocks`` is [2, layers, n, block_size, kv_heads, head_dim] as exported by a
+        prefill instance; ``first_token`` was sampled there.
+        """
+        if request_id in self.states:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        expected = (2, self.loaded.num_layers, -(-len(prompt_ids) // self.config.block_size),
+                    self.config.block_size, self.model.num_kv_heads, self.model.head_dim)  # fmt: skip
+        if tuple(kv_blocks.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(kv_blocks.shape)}, expected {expected}")
+        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids, [],
+                      time.monotonic(), self.max_model_len)  # fmt: skip
+        req.output_token_ids.append(int(first_token))
+        if self.block_manager.allocate_for_import(req, len(prompt_ids)) is None:
+            raise MemoryError("no free KV blocks for the imported request")
+        self.kv.write_blocks(req.block_ids, kv_blocks)
+        req.num_computed_tokens = len(prompt_ids)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError:
+            self.block_manager.free(req)
+            raise
+        state = RequestState(request_id, None, list(prompt_ids), params, self.tokenizer)
+        state.token_ids.append(int(first_token))
+        state.sent_tokens = 1
+        self.states[request_id] = state
+        self.runner.add_request(req, params.seed if params.seed is not None else 0, [])
         return req
 
     def _check_budget(self, n: int) -> None:
@@ -123,11 +162,22 @@ class LLMEngine:
         self.runner.drop_request(request_id)
         if req is None or state is None:
             return None
+        self._exports.discard(request_id)
         state.finish("abort")
         return state.make_output()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def _export_kv(self, sampled: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Copy the prompt KV of prefill-role requests before their blocks are freed."""
+        out = {}
+        for rid in self._exports.intersection(sampled):
+            req = self.scheduler.get_request(rid)
+            n = -(-req.num_prompt_tokens // self.config.block_size)
+            out[rid] = self.kv.read_blocks(req.block_ids[:n])
+            self._exports.discard(rid)
+        return out
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -135,6 +185,7 @@ class LLMEngine:
         for rid in so.finished_ids:
             self.runner.drop_request(rid)
         result = self.runner.execute(so.scheduled)
+        exported = self._export_kv(result.sampled)
         finished = self.scheduler.update_from_output(so, result.sampled)
         touched: dict[str, RequestState] = {}
         for rid, token in result.sampled.items():
@@ -156,7 +207,14 @@ class LLMEngine:
         for item in so.scheduled:
             if item.request.request_id in touched:
                 touched[item.request.request_id].num_cached_tokens = item.request.num_cached_tokens
+        for rid in exported:
+            req = self.scheduler.get_request(rid)
+            if req is not None:  # handed off to a decode instance: done here
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                touched[rid].handed_off = True
         outputs = [s.make_output() for s in touched.values()]
+        for out in outputs:
+            out.kv_blocks = exported.get(out.request_id)
         for out in outputs:
             if out.finished:
                 self.states.pop(out.request_id, None)

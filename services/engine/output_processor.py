@@ -30,6 +30,8 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        # Prefill role: the request continues on a decode instance.
+        self.handed_off = False
 
     def append(self, token: int, lp: TokenLogprobs | None) -> str | None:
         """Add one token; returns the stop string it completed, if any."""
@@ -69,7 +71,7 @@ class RequestState:
             self.finish_reason, self.stop_reason = reason, stop_reason
 
     def make_output(self) -> RequestOutput:
-        done = self.finish_reason is not None
+        done = self.finish_reason is not None or self.handed_off
         # While running, hold back text that may still turn out to start a stop string.
         hold = 0 if done or not self.params.stop else max(len(s) for s in self.params.stop) - 1
         visible = max(self.sent_chars, len(self.text) - hold)

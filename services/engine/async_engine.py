@@ -1,0 +1,164 @@
+"""The asyncio face of the engine: one engine thread, per-request output streams.
+
+Model steps run in a dedicated thread (torch releases the GIL in its kernels), so the
+event loop keeps serving the bus and clients while a step computes. Every engine call
+is made from that thread; the loop talks to it through a command queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from services.engine.llm_engine import LLMEngine
+from services.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    """Wraps an ``LLMEngine``: ``generate`` yields incremental outputs; ``abort`` cancels."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="epd-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Abort what is in flight and stop the thread; safe to call twice."""
+        if self._thread is None or self._stopping:
+            return
+        for rid in list(self._streams):
+            self._cmds.put((lambda r=rid: self.engine.abort_request(r), None))
+        self._stopping = True
+        self._cmds.put((None, None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, grace_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # -- calls ------------------------------------------------------------------------
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def stream(self, request_id: str, add: Callable[[], Any]) -> AsyncIterator[RequestOutput]:
+        """Register an output stream, add the request with ``add``, yield its outputs."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        finished = False
+        try:
+            await self.call(add)
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.alive:
+                self._cmds.put((lambda: self.engine.abort_request(request_id), None))
+
+    def generate(
+        self, request_id: str, prompt, params=None, **kwargs
+    ) -> AsyncIterator[RequestOutput]:
+        return self.stream(
+            request_id, lambda: self.engine.add_request(request_id, prompt, params, **kwargs)
+        )
+
+    async def abort(self, request_id: str) -> None:
+        if self.alive:
+            await self.call(lambda: self.engine.abort_request(request_id))
+
+    def load(self) -> dict[str, int]:
+        """Running / waiting requests and free KV blocks (read racily, for heartbeats)."""
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        return {"running": s.num_running, "waiting": s.num_waiting,
+                "free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks}  # fmt: skip
+
+    # -- engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain(block=idle):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except Exception as e:  # pragma: no cover - last resort: never hang the callers
+            log.exception("engine thread died")
+            self._fail_all(EngineDeadError(f"engine failed: {e}"))
+        finally:
+            self._stopping = True
+
+    def _drain(self, block: bool) -> bool:
+        """Run pending commands; False when asked to stop."""
+        while True:
+            try:
+                fn, fut = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if fn is None:
+                return False
+            try:
+                result = fn()
+                if fut is not None:
+                    fut.set_result(result)
+            except Exception as e:
+                if fut is not None:
+                    fut.set_exception(e)
+                else:
+                    log.warning("engine command failed: %s", e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; failing the running requests")
+            self._abort_everything(e)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _abort_everything(self, error: Exception) -> None:
+        for rid in list(self.engine.states):
+            self.engine.abort_request(rid)
+            self._deliver(rid, RuntimeError(f"engine step failed: {error}"))
+
+    def _deliver(self, request_id: str, item) -> None:
+        q = self._streams.get(request_id)
+        if q is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, error)

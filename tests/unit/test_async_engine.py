@@ -1,0 +1,102 @@
+"""The asyncio engine: concurrent streams, abort, bad input, and the prefill/decode
+hand-off (KV export + import) giving exactly the aggregated tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services import SamplingParams
+from services.config import EngineConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.llm_engine import LLMEngine
+from tests.helpers.checkpoints import make_text_checkpoint
+
+PROMPTS = [[1000 + i * 7 + j for j in range(n)] for i, n in enumerate((5, 18, 33, 9))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+
+
+def _engine(ckpt, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_kv_blocks=128, **kw))
+
+
+async def _collect(agen):
+    last = None
+    async for out in agen:
+        last = out
+    return last
+
+
+def _reference(ckpt, params):
+    eng = _engine(ckpt)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+async def test_concurrent_streams_match_sync_engine(ckpt):
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=10)
+    ref = _reference(ckpt, params)
+    eng = AsyncEngine(_engine(ckpt))
+    eng.start()
+    try:
+        outs = await asyncio.gather(*[
+            _collect(eng.generate(f"a{i}", {"prompt_token_ids": p}, params)) for i, p in enumerate(PROMPTS)
+        ])  # fmt: skip
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        with pytest.raises(ValueError, match="empty"):
+            await _collect(eng.generate("bad", {"prompt_token_ids": []}, params))
+    finally:
+        await eng.shutdown()
+        await eng.shutdown()  # twice is safe
+
+
+async def test_abort_mid_stream_frees_blocks(ckpt):
+    eng = AsyncEngine(_engine(ckpt))
+    eng.start()
+    free0 = eng.engine.block_manager.num_free_blocks
+    try:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        agen = eng.generate("x", {"prompt_token_ids": PROMPTS[2]}, params)
+        first = await agen.__anext__()
+        assert not first.finished
+        await agen.aclose()  # the client went away
+        await eng.call(lambda: None)  # the abort command has run
+        assert eng.engine.block_manager.num_free_blocks == free0
+        assert not eng.engine.has_unfinished_requests()
+    finally:
+        await eng.shutdown()
+
+
+def test_prefill_export_then_decode_import_matches_aggregated(ckpt):
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
+    ref = _reference(ckpt, params)
+    prefill, decode = _engine(ckpt), _engine(ckpt)
+    handoff = {}
+    for i, p in enumerate(PROMPTS):
+        prefill.add_request(f"r{i}", {"prompt_token_ids": p}, params, export_kv=True)
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            assert out.finished and out.outputs[0].finish_reason is None
+            handoff[out.request_id] = (out.outputs[0].token_ids[0], out.kv_blocks)
+    assert prefill.block_manager.num_free_blocks == 128
+    for i, p in enumerate(PROMPTS):
+        first, kv = handoff[f"r{i}"]
+        decode.import_request(f"r{i}", p, first, params, kv)
+    done = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
+    assert decode.block_manager.num_free_blocks == 128
