@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _coerce(raw: str, kind: Any) -> Any:
-    text = str(kind)
+    text, value = str(kind), raw.strip().lower()
     if "bool" in text:
-        return raw.strip().lower() in _TRUE
-    if "int" in text and "None" in text and raw.strip().lower() in ("", "none"):
+        if value not in _TRUE | _FALSE:
+            # A typo must not silently read as False.
+            raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}, got {raw!r}")
+        return value in _TRUE
+    if "int" in text and "None" in text and value in ("", "none"):
         return None
     if text.startswith("int") or "int |" in text:
         return int(raw)
@@ -34,7 +40,10 @@ def env_overrides(cls: type, prefix: str = "EPD_", environ=None) -> dict[str, An
     for f in dataclasses.fields(cls):
         key = prefix + f.name.upper()
         if key in environ:
-            out[f.name] = _coerce(environ[key], f.type)
+            try:
+                out[f.name] = _coerce(environ[key], f.type)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from e
     return out
 
 
@@ -90,6 +99,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
@@ -98,6 +109,51 @@ class EngineConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
         """Defaults < ``EPD_*`` variables < explicit overrides (CLI flags)."""
+        values = env_overrides(cls)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclass
+class ServiceConfig:
+    """Where a service finds the bus and Redis, who it is, and how long it waits."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Unique per process; defaults to <role>-<random>.
+    instance_id: str = ""
+    # Gateway ports.
+    grpc_port: int = 50051
+    http_port: int = 8000
+    host: str = "0.0.0.0"
+    # Seconds a whole request may take end to end (the deadline every hop carries).
+    request_timeout_s: float = 300.0
+    # Seconds without any token from the workers before a request fails as UNAVAILABLE.
+    stall_timeout_s: float = 30.0
+    # Seconds one bus round trip (encode, prefill admission, KV ack) may take.
+    bus_timeout_s: float = 30.0
+    # Heartbeat period and the silence after which an instance counts as gone.
+    heartbeat_s: float = 1.0
+    instance_ttl_s: float = 3.0
+    # Embedding-cache entry lifetime in Redis.
+    embedding_ttl_s: int = 3600
+    # Encoder batching window in milliseconds.
+    encode_batch_window_ms: float = 5.0
+    # Seconds in-flight work may take to finish at shutdown.
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "stall_timeout_s", "bus_timeout_s", "heartbeat_s",
+                     "instance_ttl_s", "shutdown_grace_s"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if not 0 < self.grpc_port < 65536 or not 0 < self.http_port < 65536:
+            raise ValueError("ports must be in 1..65535")
+        if self.embedding_ttl_s <= 0 or self.encode_batch_window_ms < 0:
+            raise ValueError("embedding_ttl_s must be > 0 and encode_batch_window_ms >= 0")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ServiceConfig:
         values = env_overrides(cls)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

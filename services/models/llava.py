@@ -41,6 +41,15 @@ def image_token_id(cfg) -> int:
     return int(tid if tid is not None else cfg.image_token_index)
 
 
+def tokens_per_image(cfg) -> int:
+    """Embedding rows per image: patches (+ CLS for CLIP), minus CLS under "default"."""
+    vc = cfg.vision_config
+    n = (vc.image_size // vc.patch_size) ** 2
+    if vc.model_type.startswith("clip"):
+        n += 1
+    return n - 1 if cfg.vision_feature_select_strategy == "default" else n
+
+
 class VisionEncoder(nn.Module):
     """Vision tower + projector: pixel values -> one embedding row per image token."""
 
@@ -56,11 +65,7 @@ class VisionEncoder(nn.Module):
 
     @property
     def tokens_per_image(self) -> int:
-        vc = self.config.vision_config
-        n = (vc.image_size // vc.patch_size) ** 2
-        if vc.model_type.startswith("clip"):
-            n += 1  # CLS token
-        return n - 1 if self.strategy == "default" else n
+        return tokens_per_image(self.config)
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -44,13 +44,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of every shard, failing clearly on corruption."""
+def iter_weights(model_dir: Path, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of every shard (those ``keep(name)`` accepts),
+    failing clearly on corruption."""
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"cannot read weights from {path.name}: {e}") from e
 

@@ -1,0 +1,122 @@
+"""The ``epd`` command: generate offline, serve one service, or bring up the whole stack."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+ROLES = ("encoder", "prefill", "decode", "gateway", "all")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint directory or 'demo' (default)")
+    g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default=None)
+    g.add_argument("--load-format", default=None, help="auto | dummy")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--kv-cache-memory-mb", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--attention-backend", default=None, help="auto | torch | triton")
+
+
+def _service_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("service")
+    g.add_argument("--nats-url", default=None)
+    g.add_argument("--redis-url", default=None)
+    g.add_argument("--instance-id", default=None)
+    g.add_argument("--grpc-port", type=int, default=None)
+    g.add_argument("--http-port", type=int, default=None)
+
+
+def engine_config(args):
+    from services.config import EngineConfig
+
+    keys = ("model", "dtype", "device", "load_format", "max_model_len", "block_size",
+            "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend")  # fmt: skip
+    return EngineConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+
+
+def service_config(args):
+    from services.config import ServiceConfig
+
+    keys = ("nats_url", "redis_url", "instance_id", "grpc_port", "http_port")
+    return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+
+
+def _generate(args) -> int:
+    from services import LLM, SamplingParams
+
+    cfg = engine_config(args)
+    llm = LLM(**vars(cfg))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed)  # fmt: skip
+    images = [Path(p).read_bytes() for p in args.image]
+    if args.raw:
+        out = llm.generate({"prompt": args.prompt, "images": images}, params)
+    else:
+        content = [{"type": "image", "image": b} for b in images]
+        content.append({"type": "text", "text": args.prompt})
+        out = llm.chat([{"role": "user", "content": content}], params)
+    comp = out[0].outputs[0]
+    print(comp.text)
+    print(f"[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    from services.serve import serve
+
+    return serve(args.role, engine_config(args), service_config(args))
+
+
+def _up(args) -> int:
+    from services.stack import up
+
+    return up(args, engine_config(args), service_config(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="epd-serve")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate offline with the engine in this process")
+    gen.add_argument("prompt")
+    gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    _engine_args(gen)
+    gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="run one service (or 'all': the aggregated engine)")
+    srv.add_argument("role", choices=ROLES)
+    _engine_args(srv)
+    _service_args(srv)
+    srv.set_defaults(func=_serve)
+    up = sub.add_parser("up", help="start NATS, Redis and every service on this machine")
+    up.add_argument("--decode-replicas", type=int, default=1)
+    up.add_argument("--aggregated", action="store_true", help="run 'serve all' instead of E/P/D")
+    _engine_args(up)
+    _service_args(up)
+    up.set_defaults(func=_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"epd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
