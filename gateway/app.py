@@ -1,0 +1,63 @@
+"""The gateway service: gRPC (and OpenAI REST) in front of the aggregated engine or the fleet."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from gateway.core import GatewayCore
+from gateway.grpc_server import start_grpc_server
+from gateway.prepare import RequestPreparer
+from services.config import EngineConfig, ServiceConfig
+from services.models.info import ModelInfo
+from services.tokenization import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """``aggregated`` runs the engine here (``epd serve all``); otherwise requests go
+    E -> P -> D over NATS."""
+
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, aggregated: bool):
+        self.engine_config = engine_config
+        self.config = config
+        self.aggregated = aggregated
+        self.instance_id = config.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
+        self.core: GatewayCore | None = None
+        self.grpc_server = None
+        self.grpc_port = 0
+        self._stopped = False
+
+    async def start(self) -> None:
+        info = ModelInfo.load(self.engine_config)
+        tokenizer = load_tokenizer(info.model_dir)
+        backend = await self._backend()
+        await backend.start()
+        preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s)
+        self.core = GatewayCore(preparer, backend)
+        self.grpc_server, self.grpc_port = await start_grpc_server(
+            self.core, self.config.host, self.config.grpc_port
+        )
+        log.info("gateway %s serving gRPC on port %d", self.instance_id, self.grpc_port)
+
+    async def _backend(self):
+        if self.aggregated:
+            from gateway.aggregated import AggregatedBackend
+            from services.engine.async_engine import AsyncEngine
+            from services.engine.llm_engine import LLMEngine
+
+            return AggregatedBackend(AsyncEngine(LLMEngine(self.engine_config)))
+        from gateway.disaggregated import DisaggregatedBackend
+
+        return DisaggregatedBackend(self.engine_config, self.config, self.instance_id)
+
+    async def stop(self) -> None:
+        """Stop taking requests, let in-flight ones finish (grace), then close; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(self.config.shutdown_grace_s)
+        if self.core is not None:
+            await self.core.backend.stop()

@@ -1,0 +1,133 @@
+"""The public gRPC API (``epd.v1.Inference``), with health and reflection services."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.core import GatewayCore
+from gateway.events import BackendError
+from gateway.prepare import ModelNotFoundError, PreparedRequest, params_from_proto
+from gateway.stream import Delta, OutputStream
+from protos.epd_pb import inference_pb2 as pb
+from protos.epd_pb import inference_pb2_grpc as pb_grpc
+from services.images import ImageError
+
+log = logging.getLogger(__name__)
+
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
+           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+           "error": pb.FINISH_REASON_ERROR}  # fmt: skip
+
+
+def _messages(chat: pb.Chat) -> list[dict]:
+    out = []
+    for m in chat.messages:
+        if not m.parts:
+            out.append({"role": m.role, "content": m.content})
+            continue
+        parts = []
+        for p in m.parts:
+            if p.WhichOneof("part") == "image":
+                parts.append({"type": "image", "image": p.image})
+            else:
+                parts.append({"type": "text", "text": p.text})
+        out.append({"role": m.role, "content": parts})
+    return out
+
+
+def _logprobs(tokenizer, delta_lps) -> list[pb.TokenLogprob]:
+    out = []
+    for lp in delta_lps:
+        if lp is None:
+            continue
+        top = [pb.TopLogprob(token_id=t, text=tokenizer.decode([t]), logprob=v) for t, v in lp.top]
+        out.append(pb.TokenLogprob(token_id=lp.token_id, text=tokenizer.decode([lp.token_id]),
+                                   logprob=lp.logprob, top_logprobs=top))  # fmt: skip
+    return out
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, core: GatewayCore):
+        self.core = core
+
+    async def _prepare(self, request: pb.GenerateRequest, context) -> PreparedRequest:
+        which = request.WhichOneof("input")
+        try:
+            return self.core.preparer.prepare(
+                model=request.model, params=params_from_proto(request.sampling),
+                messages=_messages(request.chat) if which == "chat" else None,
+                prompt=request.prompt if which == "prompt" else None,
+                prompt_token_ids=list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+                images=list(request.images),
+                request_id=request.request_id if request.HasField("request_id") else None,
+                cache_opt_out=request.cache_opt_out,
+            )  # fmt: skip
+        except ModelNotFoundError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except (ValueError, ImageError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _usage(self, prep: PreparedRequest, stream: OutputStream) -> pb.Usage:
+        return pb.Usage(prompt_tokens=len(prep.prompt_token_ids),
+                        completion_tokens=len(stream.token_ids),
+                        cached_tokens=stream.num_cached_tokens)  # fmt: skip
+
+    def _response(self, prep, delta: Delta, stream) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(
+            request_id=prep.request_id, token_ids=delta.token_ids, text=delta.text,
+            logprobs=_logprobs(self.core.tokenizer, delta.logprobs),
+            finish_reason=_FINISH[delta.finish_reason], model=self.core.info.model_id,
+        )  # fmt: skip
+        if delta.finish_reason is not None:
+            resp.usage.CopyFrom(self._usage(prep, stream))
+        return resp
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        prep = await self._prepare(request, context)
+        try:
+            async for delta, stream in self.core.run(prep):
+                yield self._response(prep, delta, stream)
+        except BackendError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+    async def GenerateOnce(self, request, context):  # noqa: N802
+        prep = await self._prepare(request, context)
+        stream = None
+        try:
+            async for _, stream in self.core.run(prep):
+                pass
+        except BackendError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        return pb.GenerateResult(
+            request_id=prep.request_id, token_ids=stream.token_ids, text=stream.text,
+            logprobs=_logprobs(self.core.tokenizer, stream.logprobs),
+            finish_reason=_FINISH[stream.state.finish_reason], usage=self._usage(prep, stream),
+            model=self.core.info.model_id,
+        )  # fmt: skip
+
+    async def ListModels(self, request, context):  # noqa: N802
+        info = self.core.info
+        model = pb.ModelInfo(id=info.model_id, owned_by="epd-serve", created=int(time.time()),
+                             max_model_len=info.max_model_len, vision=info.vision)  # fmt: skip
+        return pb.ListModelsResponse(models=[model])
+
+
+async def start_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Serve Inference + grpc.health.v1 + reflection; returns (server, bound port)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (pb.DESCRIPTOR.services_by_name["Inference"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)  # fmt: skip
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", names[0]):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
