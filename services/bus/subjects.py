@@ -1,0 +1,85 @@
+"""Every NATS subject and queue group used by epd-serve, in one place.
+
+Work any replica may take goes to a shared subject with a queue group (``epd.encode``,
+``epd.cache.*``); work the router assigns goes to a per-instance subject
+(``epd.prefill.<id>``, ``epd.decode.<id>``). KV payloads for a decode instance arrive on
+one per-instance subject (``epd.kv.<id>``) and carry their transfer id inside the frames,
+so the receiver subscribes once and no sender races a late subscription.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+PREFIX: Final = "epd"
+
+# Roles that publish heartbeats.
+ROLE_ENCODE: Final = "encode"
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLE_GATEWAY: Final = "gateway"
+ROLE_CACHE: Final = "cache"
+ROLES: Final = frozenset({ROLE_ENCODE, ROLE_PREFILL, ROLE_DECODE, ROLE_GATEWAY, ROLE_CACHE})
+
+# Shared work subjects (request/reply, queue groups).
+ENCODE: Final = f"{PREFIX}.encode"
+CACHE_LOOKUP: Final = f"{PREFIX}.cache.lookup"
+CACHE_STORE: Final = f"{PREFIX}.cache.store"
+# Broadcast: every service drops the request.
+ABORT: Final = f"{PREFIX}.abort"
+
+# Queue groups: one delivery per group, spread over the replicas.
+QUEUE_ENCODE: Final = "epd-encode"
+QUEUE_CACHE: Final = "epd-cache"
+
+# One subject token: no dots, wildcards or whitespace.
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+def check_token(value: str, what: str = "subject token") -> str:
+    """Return ``value`` if it is a valid single subject token, else raise ValueError."""
+    if not isinstance(value, str) or not _TOKEN_RE.fullmatch(value):
+        raise ValueError(f"invalid {what} {value!r}: use letters, digits, '-' and '_'")
+    return value
+
+
+def cache(op: str) -> str:
+    """Subject of a semantic-cache operation: ``epd.cache.<op>``."""
+    return f"{PREFIX}.cache.{check_token(op, 'cache op')}"
+
+
+def prefill(instance_id: str) -> str:
+    """Subject of one prefill instance: ``epd.prefill.<id>``."""
+    return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}"
+
+
+def decode(instance_id: str) -> str:
+    """Subject of one decode instance: ``epd.decode.<id>``."""
+    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}"
+
+
+def kv(instance_id: str) -> str:
+    """Subject where one decode instance receives chunked KV transfers: ``epd.kv.<id>``."""
+    return f"{PREFIX}.kv.{check_token(instance_id, 'instance id')}"
+
+
+def out(gateway_id: str) -> str:
+    """Subject of one gateway's token batches: ``epd.out.<gateway-id>``."""
+    return f"{PREFIX}.out.{check_token(gateway_id, 'gateway id')}"
+
+
+def heartbeat(role: str, instance_id: str) -> str:
+    """Subject of one instance's heartbeats: ``epd.hb.<role>.<id>``."""
+    return f"{PREFIX}.hb.{_check_role(role)}.{check_token(instance_id, 'instance id')}"
+
+
+def heartbeat_wildcard(role: str) -> str:
+    """Subject matching every heartbeat of a role: ``epd.hb.<role>.*``."""
+    return f"{PREFIX}.hb.{_check_role(role)}.*"
+
+
+def _check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLES)}")
+    return role

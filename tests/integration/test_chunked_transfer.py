@@ -1,0 +1,152 @@
+"""Chunked transfers on a server with a 64 KiB max_payload: large payloads arrive intact
+through a deliberately slow receiver, flow control bounds what is in flight, and a
+stalled or refusing peer fails with a clear error instead of a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from protos.epd_pb import bus_pb2
+from services.bus.chunk_receiver import ChunkReceiver
+from services.bus.chunked import NatsChunkSender, send_chunked
+from services.bus.connection import Bus, Incoming
+from services.bus.errors import NoResponders, TransferError, TransferTimeout
+from services.localstack import ServerProcess
+from tests.integration.conftest import SMALL_MAX_PAYLOAD, BusFactory
+
+SUBJECT = "epd.kv.test"
+WINDOW = 4
+
+
+class SlowReceiver(ChunkReceiver):
+    """Takes a few milliseconds per frame, like a consumer busy copying into the KV pool."""
+
+    async def _on_frame(self, msg: Incoming) -> None:
+        await asyncio.sleep(0.003)
+        await super()._on_frame(msg)
+
+
+async def _pair(factory: BusFactory, server: ServerProcess, **kw: object) -> tuple[Bus, Bus]:
+    return await factory(server, name="sender"), await factory(server, name="receiver")
+
+
+async def _receiver(bus: Bus, cls: type[ChunkReceiver] = ChunkReceiver, **kw: object):
+    receiver = cls(bus, SUBJECT, **{"window": WINDOW, "max_transfers": 2, **kw})
+    await receiver.start()
+    await bus.flush()
+    return receiver
+
+
+async def test_large_payload_through_slow_consumer(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    # Pending limit = (window + 2) * max_payload * 2 transfers = 768 KiB < the payload:
+    # without flow control the client would drop chunks as a slow consumer.
+    receiver = await _receiver(recv_bus, SlowReceiver)
+    payload = os.urandom(20 * SMALL_MAX_PAYLOAD + 12345)
+    claim = asyncio.create_task(receiver.receive("t1", timeout_s=20))
+    stats = await send_chunked(
+        sender, SUBJECT, b"kv-header", payload, timeout_s=5, transfer_id="t1"
+    )
+    got = await claim
+    assert got.payload == payload and got.header == b"kv-header"
+    assert stats.chunk_count > 20 and stats.chunk_bytes < SMALL_MAX_PAYLOAD
+    assert 1 <= stats.max_in_flight <= WINDOW
+    assert receiver.active_transfers == 0
+    await receiver.close()
+
+
+async def test_claim_after_completion_and_concurrent_transfers(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus)
+    payloads = {f"c{i}": os.urandom(3 * SMALL_MAX_PAYLOAD + i) for i in range(2)}
+    chunker = NatsChunkSender(sender, SUBJECT)
+    await asyncio.gather(
+        *(
+            chunker.send(tid.encode(), p, transfer_id=tid, timeout_s=5)
+            for tid, p in payloads.items()
+        )
+    )
+    for tid, payload in payloads.items():  # claimed only after both completed
+        got = await receiver.receive(tid, timeout_s=1)
+        assert got.payload == payload and got.header == tid.encode()
+    await receiver.close()
+
+
+async def test_empty_payload(bus_factory: BusFactory, nats_small: ServerProcess) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus)
+    stats = await send_chunked(sender, SUBJECT, b"h", b"", timeout_s=2, transfer_id="e")
+    assert stats.chunk_count == 0
+    assert (await receiver.receive("e", timeout_s=1)).payload == b""
+
+
+async def test_no_receiver(bus_factory: BusFactory, nats_small: ServerProcess) -> None:
+    sender = await bus_factory(nats_small)
+    with pytest.raises(NoResponders):
+        await send_chunked(sender, "epd.kv.nobody", b"", b"x" * 10, timeout_s=2)
+
+
+async def test_receiver_refuses_oversized_transfer(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus, max_total_bytes=1000)
+    with pytest.raises(TransferError, match="total_bytes"):
+        await send_chunked(sender, SUBJECT, b"", b"x" * 1001, timeout_s=2)
+    assert receiver.active_transfers == 0
+
+
+async def test_sender_times_out_when_acks_stop(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+
+    async def accept_then_ignore(msg: Incoming) -> None:
+        frame = msg.decode(bus_pb2.ChunkFrame)
+        if frame.HasField("header"):
+            tid = frame.header.transfer_id
+            await msg.respond(bus_pb2.ChunkAck(transfer_id=tid, acked_seq=-1, credit=2))
+
+    await recv_bus.subscribe(SUBJECT, accept_then_ignore)
+    await recv_bus.flush()
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        await send_chunked(sender, SUBJECT, b"", os.urandom(5 * SMALL_MAX_PAYLOAD), timeout_s=0.3)
+    assert time.monotonic() - started < 3
+
+
+async def test_receiver_drops_a_stalled_transfer(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus, idle_timeout_s=0.2)
+    opening = bus_pb2.ChunkHeader(transfer_id="s", total_bytes=10, chunk_count=1, chunk_bytes=10)
+    ack = await sender.request(
+        SUBJECT, bus_pb2.ChunkFrame(header=opening), bus_pb2.ChunkAck, timeout_s=2
+    )
+    assert ack.credit == WINDOW and receiver.active_transfers == 1
+    with pytest.raises(TransferTimeout, match="idle"):
+        await receiver.receive("s", timeout_s=5)  # the sender never sends the chunk
+    assert receiver.active_transfers == 0
+
+
+async def test_out_of_order_chunk_fails_the_transfer(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus)
+    opening = bus_pb2.ChunkHeader(transfer_id="o", total_bytes=20, chunk_count=2, chunk_bytes=10)
+    await sender.request(SUBJECT, bus_pb2.ChunkFrame(header=opening), bus_pb2.ChunkAck, 2)
+    chunk = bus_pb2.Chunk(transfer_id="o", seq=1, data=b"x" * 10)
+    ack = await sender.request(SUBJECT, bus_pb2.ChunkFrame(chunk=chunk), bus_pb2.ChunkAck, 2)
+    assert ack.HasField("error") and "expected 0" in ack.error.message
+    with pytest.raises(TransferError, match="expected 0"):
+        await receiver.receive("o", timeout_s=1)
