@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.sampler import TokenLogprobs
-from services.outputs import Logprob, RequestOutput
+from services.outputs import RequestOutput
+from services.wire import logprobs_from_dict
 
 
 class BackendError(Exception):
@@ -26,17 +27,6 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-
-
-def logprobs_from_dict(token_id: int, d: dict[int, Logprob] | None, n: int) -> TokenLogprobs | None:
-    """The engine's per-token logprob dict -> TokenLogprobs (chosen + top-n, best first)."""
-    if d is None:
-        return None
-    top = sorted(
-        (lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None and lp.rank <= n
-    )
-    chosen = d[token_id]
-    return TokenLogprobs(token_id, chosen.logprob, chosen.rank or 1, [(t, v) for _, t, v in top])
 
 
 def event_from_output(out: RequestOutput, sent_logprobs: int, n_logprobs: int) -> TokenEvent:

@@ -11,17 +11,14 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.core import GatewayCore
 from gateway.events import BackendError
-from gateway.prepare import ModelNotFoundError, PreparedRequest, params_from_proto
+from gateway.prepare import ModelNotFoundError, PreparedRequest
 from gateway.stream import Delta, OutputStream
 from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pb_grpc
 from services.images import ImageError
+from services.wire import FINISH_TO_PROTO, params_kwargs
 
 log = logging.getLogger(__name__)
-
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
-           "error": pb.FINISH_REASON_ERROR}  # fmt: skip
 
 
 def _messages(chat: pb.Chat) -> list[dict]:
@@ -59,7 +56,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         which = request.WhichOneof("input")
         try:
             return self.core.preparer.prepare(
-                model=request.model, params=params_from_proto(request.sampling),
+                model=request.model, params=params_kwargs(request.sampling),
                 messages=_messages(request.chat) if which == "chat" else None,
                 prompt=request.prompt if which == "prompt" else None,
                 prompt_token_ids=list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
@@ -81,7 +78,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         resp = pb.GenerateResponse(
             request_id=prep.request_id, token_ids=delta.token_ids, text=delta.text,
             logprobs=_logprobs(self.core.tokenizer, delta.logprobs),
-            finish_reason=_FINISH[delta.finish_reason], model=self.core.info.model_id,
+            finish_reason=FINISH_TO_PROTO[delta.finish_reason], model=self.core.info.model_id,
         )  # fmt: skip
         if delta.finish_reason is not None:
             resp.usage.CopyFrom(self._usage(prep, stream))
@@ -99,14 +96,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         prep = await self._prepare(request, context)
         stream = None
         try:
-            async for _, stream in self.core.run(prep):
-                pass
+            async for _, current in self.core.run(prep):
+                stream = current
         except BackendError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         return pb.GenerateResult(
             request_id=prep.request_id, token_ids=stream.token_ids, text=stream.text,
             logprobs=_logprobs(self.core.tokenizer, stream.logprobs),
-            finish_reason=_FINISH[stream.state.finish_reason], usage=self._usage(prep, stream),
+            finish_reason=FINISH_TO_PROTO[stream.state.finish_reason], usage=self._usage(prep, stream),
             model=self.core.info.model_id,
         )  # fmt: skip
 

@@ -32,27 +32,6 @@ class PreparedRequest:
     messages: list[dict] | None = None
 
 
-_PROTO_FIELDS = (
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
-    "ignore_eos",
-)
-_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",
-             "skip_special_tokens")  # fmt: skip
-
-
-def params_from_proto(sp) -> dict:
-    """SamplingParams proto -> keyword arguments (unset optionals keep our defaults)."""
-    kw = {name: getattr(sp, name) for name in _PROTO_FIELDS}
-    kw.update({name: getattr(sp, name) for name in _OPTIONAL if sp.HasField(name)})
-    kw["stop"] = list(sp.stop)
-    kw["stop_token_ids"] = list(sp.stop_token_ids)
-    return kw
-
-
 class RequestPreparer:
     """Tokenizes with the checkpoint's tokenizer and chat template; checks everything."""
 

@@ -147,8 +147,9 @@ class ServiceConfig:
                      "instance_ttl_s", "shutdown_grace_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if not 0 < self.grpc_port < 65536 or not 0 < self.http_port < 65536:
-            raise ValueError("ports must be in 1..65535")
+        # Port 0 asks the OS for a free port (tests).
+        if not 0 <= self.grpc_port < 65536 or not 0 <= self.http_port < 65536:
+            raise ValueError("ports must be in 0..65535")
         if self.embedding_ttl_s <= 0 or self.encode_batch_window_ms < 0:
             raise ValueError("embedding_ttl_s must be > 0 and encode_batch_window_ms >= 0")
 

@@ -28,8 +28,13 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Wraps an ``LLMEngine``: ``generate`` yields incremental outputs; ``abort`` cancels."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(
+        self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None] | None = None
+    ):
+        """``on_outputs``, when given, receives every step's outputs on the event loop
+        (services batch them per destination) instead of per-request streams."""
         self.engine = engine
+        self._on_outputs = on_outputs
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -146,13 +151,23 @@ class AsyncEngine:
             log.exception("engine step failed; failing the running requests")
             self._abort_everything(e)
             return
+        if self._on_outputs is not None and self._loop is not None:
+            if outputs:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+            return
         for out in outputs:
             self._deliver(out.request_id, out)
 
     def _abort_everything(self, error: Exception) -> None:
+        failed = []
         for rid in list(self.engine.states):
-            self.engine.abort_request(rid)
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                out.error = f"engine step failed: {error}"
+                failed.append(out)
             self._deliver(rid, RuntimeError(f"engine step failed: {error}"))
+        if self._on_outputs is not None and self._loop is not None and failed:
+            self._loop.call_soon_threadsafe(self._on_outputs, failed)
 
     def _deliver(self, request_id: str, item) -> None:
         q = self._streams.get(request_id)

@@ -31,12 +31,17 @@ class InputProcessor:
     def process(self, prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
         text, ids, raw_images = self._unpack(prompt)
         if ids is None:
+            if not text:
+                # Special tokens alone (BOS) would make a prompt with nothing to continue.
+                raise ValueError("prompt is empty")
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise ValueError("prompt is empty")
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        ids, spans, images = self._expand_images(list(ids), raw_images)
+        # Services that already hold the embeddings pass image hashes instead of images.
+        hashes = prompt.get("image_hashes") if isinstance(prompt, dict) else None
+        ids, spans, images = self._expand_images(list(ids), raw_images, hashes)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens, which leaves no room to generate in the "
@@ -61,21 +66,25 @@ class InputProcessor:
             return prompt["prompt"], None, list(images)
         raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids'")
 
-    def _expand_images(self, ids: list[int], raw_images: list):
+    def _expand_images(self, ids: list[int], raw_images: list, hashes: list[str] | None = None):
         tid = self.image_token_id
         n_ph = ids.count(tid) if tid is not None else 0
-        if raw_images and tid is None:
+        n_img = len(hashes) if hashes is not None else len(raw_images)
+        if n_img and tid is None:
             raise ValueError("this model does not accept images")
-        if n_ph == 0 and not raw_images:
+        if n_ph == 0 and not n_img:
             return ids, [], []
         n = self.tokens_per_image
-        expanded = n_ph == len(raw_images) * n and n > 1 and _runs_of(ids, tid, n)
-        if not expanded and n_ph != len(raw_images):
+        expanded = n_ph == n_img * n and n > 1 and _runs_of(ids, tid, n)
+        if not expanded and n_ph != n_img:
             raise ValueError(
-                f"the prompt has {n_ph} image placeholders but {len(raw_images)} images were given"
+                f"the prompt has {n_ph} image placeholders but {n_img} images were given"
             )
-        images = [decode_image(im) for im in raw_images]
-        hashes = [image_hash(im, self.fingerprint) for im in raw_images]
+        if hashes is None:
+            images = [decode_image(im) for im in raw_images]
+            hashes = [image_hash(im, self.fingerprint) for im in raw_images]
+        else:
+            images = []
         if expanded:
             # Runs are multiples of n: every n-th placeholder starts an image.
             offsets = [i for i, t in enumerate(ids) if t == tid][::n]

@@ -15,6 +15,7 @@ from services.engine.kv_cache import KVCachePool
 from services.engine.model_runner import ModelRunner
 from services.engine.output_processor import RequestState
 from services.engine.request import Request, RequestStatus
+from services.engine.sampler import TokenLogprobs
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.images import ImagePreprocessor
 from services.kernels.backend import get_backend
@@ -97,17 +98,20 @@ class LLMEngine:
         embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
         req = Request(request_id, p.token_ids, params, self.eos_token_ids, p.spans,
                       time.monotonic(), self.max_model_len)  # fmt: skip
+        # The scheduler's checks may still reject it: nothing else may be touched before
+        # (no state left behind, no draw from the shared seed stream).
+        self.scheduler.add_request(req)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.runner.add_request(req, seed, embeds)
         self.states[request_id] = RequestState(request_id, p.prompt, p.token_ids, params,
                                                self.tokenizer)  # fmt: skip
-        self.scheduler.add_request(req)
         if export_kv:
             self._exports.add(request_id)
         return req
 
     def import_request(self, request_id: str, prompt_ids: list[int], first_token: int,
-                       params: SamplingParams, kv_blocks: torch.Tensor) -> Request:  # fmt: skip
+                       params: SamplingParams, kv_blocks: torch.Tensor,
+                       first_logprobs: TokenLogprobs | None = None) -> Request:  # fmt: skip
         """Decode role: continue a request whose prompt KV was computed elsewhere.
 
         ``kv_blocks`` is [2, layers, n, block_size, kv_heads, head_dim] as exported by a
@@ -132,7 +136,7 @@ class LLMEngine:
             self.block_manager.free(req)
             raise
         state = RequestState(request_id, None, list(prompt_ids), params, self.tokenizer)
-        state.token_ids.append(int(first_token))
+        state.append(int(first_token), first_logprobs)
         state.sent_tokens = 1
         self.states[request_id] = state
         self.runner.add_request(req, params.seed if params.seed is not None else 0, [])

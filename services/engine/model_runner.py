@@ -94,9 +94,9 @@ class ModelRunner:
 
     def _attn_meta(self, qlens, seqlens, tables, slots) -> AttentionMetadata:
         width = max((len(t) for t in tables), default=0)
-        table = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        # One tensor from padded lists: a tensor per row costs more at hundreds of requests.
+        rows = [t + [0] * (width - len(t)) for t in tables] if width else [[0]] * len(tables)
+        table = torch.tensor(rows, dtype=torch.int32).view(len(tables), max(width, 1))
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -47,6 +47,7 @@ def _build_tokenizer(out: Path):
     )
     tok.bos_token, tok.eos_token = "[CLS]", "[SEP]"
     tok.chat_template = CHAT_TEMPLATE
+    tok.model_max_length = 2048
     tok.save_pretrained(str(out))
     return tok
 

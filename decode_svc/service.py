@@ -1,0 +1,178 @@
+"""The decode service: the engine in decode role.
+
+Receives KV blocks on ``epd.kv.<id>`` and the ``DecodeRequest`` that adopts them on
+``epd.decode.<id>``; batches every adopted request continuously; after each step sends
+one ``TokenBatch`` per gateway with every request's new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.bus.codec import dtype_name
+from services.bus.deadline import timeout_for
+from services.bus.errors import BusError
+from services.bus.handlers import Incoming
+from services.bus.heartbeat import HeartbeatPublisher, Load
+from services.config import EngineConfig, ServiceConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.llm_engine import LLMEngine
+from services.kv_connector import NatsKVReceiver
+from services.recent import RecentIds
+from services.runtime import connect_bus
+from services.wire import (
+    FINISH_TO_PROTO,
+    error,
+    logprobs_from_dict,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService:
+    role = subjects.ROLE_DECODE
+
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
+        self.engine_config = engine_config
+        self.config = config
+        self.instance_id = config.instance_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.engine: AsyncEngine | None = None
+        self.bus = self.receiver = self.heartbeat = None
+        self.routes: dict[str, bus_pb2.DecodeRequest] = {}
+        self.aborted = RecentIds(ttl_s=120.0)
+        self.step = 0
+        # Requests adopted since start (a metric; tests check both instances get work).
+        self.adopted = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._stopped = False
+
+    async def start(self) -> None:
+        llm = await asyncio.to_thread(LLMEngine, self.engine_config)
+        self.engine = AsyncEngine(llm, on_outputs=self._on_outputs)
+        self.engine.start()
+        self.bus = await connect_bus(self.config, self.instance_id)
+        m = llm.model
+        layout = (llm.loaded.num_layers, llm.config.block_size, m.num_kv_heads, m.head_dim,
+                  dtype_name(llm.loaded.dtype))  # fmt: skip
+        self.receiver = NatsKVReceiver(self.bus, self.instance_id, layout)
+        await self.receiver.start()
+        await self.bus.subscribe(
+            subjects.decode(self.instance_id), self._on_decode, max_concurrency=64
+        )
+        await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
+        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
+                                            interval_s=self.config.heartbeat_s,
+                                            model=llm.loaded.fingerprint)  # fmt: skip
+        await self.heartbeat.start()
+        log.info("decode %s ready", self.instance_id)
+
+    def _load(self) -> Load:
+        load = self.engine.load()
+        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
+
+    async def _on_decode(self, msg: Incoming) -> None:
+        req = msg.decode(bus_pb2.DecodeRequest)
+        reply = bus_pb2.DecodeReply(request_id=req.request_id)
+        problem = await self._adopt(req)
+        if problem is not None:
+            reply.error.CopyFrom(problem)
+        await msg.respond(reply)
+
+    async def _adopt(self, req: bus_pb2.DecodeRequest) -> bus_pb2.Error | None:
+        rid = req.request_id
+        try:
+            timeout = timeout_for(req.deadline_unix_ms, "KV receive", self.config.bus_timeout_s)
+            _, kv = await self.receiver.receive(req.kv_transfer_id, timeout)
+            params = params_from_proto(req.sampling)
+        except BusError as e:
+            return error(bus_pb2.ERROR_CODE_UNAVAILABLE, f"KV transfer failed: {e}")
+        except ValueError as e:
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        if rid in self.aborted:
+            return error(bus_pb2.ERROR_CODE_ABORTED, f"request {rid} was aborted")
+        prompt = list(req.token_ids[: req.num_prompt_tokens])
+        first_lp = None
+        if req.HasField("first_logprobs") and params.logprobs is not None:
+            first_lp = logprobs_from_proto(req.first_token_id, req.first_logprobs)
+        self.routes[rid] = req
+        llm = self.engine.engine
+        try:
+            await self.engine.call(
+                lambda: llm.import_request(rid, prompt, req.first_token_id, params, kv, first_lp)
+            )
+        except MemoryError as e:
+            self.routes.pop(rid, None)
+            return error(bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            self.routes.pop(rid, None)
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        self.adopted += 1
+        return None
+
+    def _on_outputs(self, outputs) -> None:
+        """One TokenBatch per gateway per engine step."""
+        self.step += 1
+        batches: dict[str, bus_pb2.TokenBatch] = {}
+        for out in outputs:
+            req = self.routes.get(out.request_id)
+            if req is None:
+                continue
+            if out.finished:
+                self.routes.pop(out.request_id, None)
+            batch = batches.setdefault(
+                req.gateway_id, bus_pb2.TokenBatch(instance_id=self.instance_id, step=self.step)
+            )
+            batch.updates.append(self._update(req, out))
+        for gateway_id, batch in batches.items():
+            task = asyncio.create_task(self.bus.publish(subjects.out(gateway_id), batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _update(req: bus_pb2.DecodeRequest, out) -> bus_pb2.TokenUpdate:
+        comp = out.outputs[0]
+        new = comp.token_ids_delta
+        upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=new,
+                                  offset=len(comp.token_ids) - len(new),
+                                  finish_reason=FINISH_TO_PROTO[comp.finish_reason])  # fmt: skip
+        if comp.logprobs is not None:
+            n = req.sampling.logprobs if req.sampling.HasField("logprobs") else 0
+            tail = comp.logprobs[len(comp.token_ids) - len(new) :]
+            upd.logprobs.extend(
+                logprobs_to_proto(logprobs_from_dict(t, d, n))
+                for t, d in zip(new, tail, strict=False)
+            )
+        if isinstance(comp.stop_reason, int):
+            upd.stop_token_id = comp.stop_reason
+        if out.error:
+            upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_INTERNAL, out.error))
+        return upd
+
+    async def _on_abort(self, msg: Incoming) -> None:
+        rid = msg.decode(bus_pb2.Abort).request_id
+        self.aborted.add(rid)
+        if self.routes.pop(rid, None) is not None:
+            await self.engine.abort(rid)
+
+    async def stop(self) -> None:
+        """Stop heartbeats and intake, flush pending token batches, stop the engine."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self.receiver is not None:
+            await self.receiver.close()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_grace_s)
+        if self.bus is not None:
+            await self.bus.close()
+        if self.engine is not None:
+            await self.engine.shutdown()

@@ -1,0 +1,127 @@
+"""The encoder service: vision tower + projector, embeddings written to Redis.
+
+Takes ``epd.encode`` requests in a queue group (any replica may answer). A repeated
+image costs one Redis GET; concurrent requests for the same image encode it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig, embedding_key
+from encoder_svc.batcher import EncodeBatcher
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.bus.codec import tensor_to_proto
+from services.bus.handlers import Incoming
+from services.bus.heartbeat import HeartbeatPublisher, Load
+from services.config import EngineConfig, ServiceConfig
+from services.images import ImageError, ImagePreprocessor, decode_image, image_hash
+from services.metrics import EMBEDDING_CACHE_HITS, IMAGES_ENCODED
+from services.models.factory import load_vision_encoder
+from services.runtime import connect_bus
+from services.singleflight import SingleFlight
+from services.wire import error
+
+log = logging.getLogger(__name__)
+_INVALID = bus_pb2.ERROR_CODE_INVALID_ARGUMENT
+
+
+class EncoderService:
+    role = subjects.ROLE_ENCODE
+
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
+        self.engine_config = engine_config
+        self.config = config
+        self.instance_id = config.instance_id or f"encoder-{uuid.uuid4().hex[:8]}"
+        self.bus = self.store = self.heartbeat = None
+        self.flight: SingleFlight[str, torch.Tensor] = SingleFlight()
+        self.in_flight = 0
+        self._stopped = False
+
+    async def start(self) -> None:
+        self.model = load_vision_encoder(self.engine_config)
+        self.fingerprint = self.model.fingerprint
+        self.preprocessor = ImagePreprocessor(self.model.model_dir)
+        self.batcher = EncodeBatcher(self._encode_batch, self.config.encode_batch_window_ms / 1e3)
+        self.store = EmbeddingStore.from_config(
+            EmbeddingStoreConfig(url=self.config.redis_url, ttl_s=self.config.embedding_ttl_s)
+        )
+        self.bus = await connect_bus(self.config, self.instance_id)
+        await self.bus.subscribe(subjects.ENCODE, self._on_encode, queue=subjects.QUEUE_ENCODE,
+                                 max_concurrency=64)  # fmt: skip
+        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
+                                            interval_s=self.config.heartbeat_s, model=self.fingerprint)  # fmt: skip
+        await self.heartbeat.start()
+        log.info("encoder %s ready (model %s)", self.instance_id, self.fingerprint)
+
+    def _load(self) -> Load:
+        return Load(running=self.in_flight)
+
+    @torch.inference_mode()
+    def _encode_batch(self, images: list[bytes]) -> list[torch.Tensor]:
+        """Worker thread: decode, preprocess and encode a batch -> one tensor per image."""
+        pixels = self.preprocessor([decode_image(b) for b in images]).to(self.model.device)
+        out = self.model.model(pixels)
+        IMAGES_ENCODED.inc(len(images))
+        return [e.detach().to("cpu").contiguous() for e in out]
+
+    async def _encode_and_store(self, image: bytes, digest: str) -> tuple[torch.Tensor, bool]:
+        emb = await self.batcher.submit(image)
+        stored = await self.store.put(self.fingerprint, digest, emb)
+        return emb, stored
+
+    async def _on_encode(self, msg: Incoming) -> None:
+        req = msg.decode(bus_pb2.EncodeRequest)
+        self.in_flight += 1
+        try:
+            await msg.respond(await self._encode(req))
+        finally:
+            self.in_flight -= 1
+
+    async def _encode(self, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
+        reply = bus_pb2.EncodeReply(image_hash=req.image_hash)
+        if req.model_fingerprint != self.fingerprint:
+            reply.error.CopyFrom(
+                error(
+                    _INVALID,
+                    f"encoder serves model {self.fingerprint}, not {req.model_fingerprint}",
+                )
+            )
+            return reply
+        if image_hash(req.image, self.fingerprint) != req.image_hash:
+            reply.error.CopyFrom(error(_INVALID, "image_hash does not match the image bytes"))
+            return reply
+        reply.embedding_key = embedding_key(self.fingerprint, req.image_hash)
+        emb = await self.store.get(self.fingerprint, req.image_hash)
+        if emb is not None:
+            EMBEDDING_CACHE_HITS.inc()
+            reply.num_tokens = emb.shape[0]
+            return reply
+        try:
+            decode_image(req.image)
+            emb, stored = await self.flight.do(
+                req.image_hash, lambda: self._encode_and_store(req.image, req.image_hash)
+            )
+        except ImageError as e:
+            reply.error.CopyFrom(error(_INVALID, str(e)))
+            return reply
+        reply.num_tokens = emb.shape[0]
+        if not stored:  # Redis is down: hand the embedding over inline instead
+            reply.embedding.CopyFrom(tensor_to_proto(emb))
+        return reply
+
+    async def stop(self) -> None:
+        """Stop heartbeats, drain the bus (in-flight encodes finish), close Redis; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self.bus is not None:
+            await self.bus.close()
+        if self.store is not None:
+            await self.store.close()

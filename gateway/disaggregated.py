@@ -1,0 +1,163 @@
+"""Requests across the fleet: encode missing images, prefill on one instance, decode on
+another, tokens back on ``epd.out.<gateway-id>``.
+
+The decode instance is chosen first (least loaded by heartbeats, round robin on ties)
+and named in the prefill request, so prefill can ship the KV straight to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from gateway.encode import ImageEncoder
+from gateway.events import BackendError, TokenEvent
+from gateway.prepare import PreparedRequest
+from gateway.reorder import UpdateOrderer
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.bus.errors import BusError, NoResponders
+from services.bus.handlers import Incoming
+from services.bus.heartbeat import InstanceRegistry
+from services.config import EngineConfig, ServiceConfig
+from services.models.info import ModelInfo
+from services.runtime import connect_bus
+from services.wire import STATUS, params_to_proto, spans_to_proto
+
+log = logging.getLogger(__name__)
+
+# How often a waiting request checks that its workers are still alive.
+_LIVENESS_TICK_S = 0.5
+
+
+class DisaggregatedBackend:
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, gateway_id: str):
+        self.engine_config = engine_config
+        self.config = config
+        self.gateway_id = gateway_id
+        self.bus = self.registry = self.encoder = None
+        self.streams: dict[str, asyncio.Queue] = {}
+
+    async def start(self) -> None:
+        self.info = ModelInfo.load(self.engine_config)
+        self.eos = _eos_ids(self.info)
+        self.bus = await connect_bus(self.config, self.gateway_id)
+        self.registry = InstanceRegistry(self.bus, [subjects.ROLE_ENCODE, subjects.ROLE_PREFILL,
+                                                    subjects.ROLE_DECODE],
+                                         expiry_s=self.config.instance_ttl_s)  # fmt: skip
+        await self.registry.start()
+        self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s)
+        await self.bus.subscribe(subjects.out(self.gateway_id), self._on_tokens)
+
+    async def stop(self) -> None:
+        if self.registry is not None:
+            await self.registry.stop()
+        if self.bus is not None:
+            await self.bus.close()
+
+    def ready(self) -> bool:
+        return self.bus is not None and self.bus.is_connected
+
+    async def _on_tokens(self, msg: Incoming) -> None:
+        for upd in msg.decode(bus_pb2.TokenBatch).updates:
+            q = self.streams.get(upd.request_id)
+            if q is not None:
+                q.put_nowait(upd)
+
+    def _pick(self, role: str) -> str:
+        chosen = self.registry.pick_least_loaded(role)
+        if chosen is None:
+            raise BackendError("UNAVAILABLE", f"no live {role} instance")
+        return chosen
+
+    async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[prep.request_id] = q
+        try:
+            inline = await self.encoder.encode(prep)
+            decode_id, prefill_id = (
+                self._pick(subjects.ROLE_DECODE),
+                self._pick(subjects.ROLE_PREFILL),
+            )
+            await self._prefill(prep, prefill_id, decode_id, inline)
+            async for event in self._events(prep, q, prefill_id, decode_id):
+                yield event
+        finally:
+            self.streams.pop(prep.request_id, None)
+
+    async def _prefill(self, prep, prefill_id: str, decode_id: str, inline: dict) -> None:
+        spans = spans_to_proto(prep.spans, self.encoder.keys_for(prep))
+        for span in spans:
+            if span.image_hash in inline:
+                span.embedding.CopyFrom(inline[span.image_hash])
+        req = bus_pb2.PrefillRequest(
+            request_id=prep.request_id, gateway_id=self.gateway_id, decode_instance_id=decode_id,
+            prompt_token_ids=prep.prompt_token_ids, image_spans=spans,
+            sampling=params_to_proto(prep.params), deadline_unix_ms=int(prep.deadline * 1000),
+            eos_token_ids=self.eos, max_model_len=self.info.max_model_len,
+        )  # fmt: skip
+        try:
+            reply = await self.bus.request(subjects.prefill(prefill_id), req, bus_pb2.PrefillReply,
+                                           self.config.bus_timeout_s)  # fmt: skip
+        except NoResponders as e:
+            raise BackendError("UNAVAILABLE", f"prefill instance {prefill_id} is gone") from e
+        except BusError as e:
+            raise BackendError("UNAVAILABLE", f"prefill instance {prefill_id} failed: {e}") from e
+        if reply.HasField("error"):
+            raise BackendError(STATUS.get(reply.error.code, "INTERNAL"), reply.error.message)
+
+    async def _events(self, prep, q, prefill_id, decode_id) -> AsyncIterator[TokenEvent]:
+        order = UpdateOrderer()
+        last = time.monotonic()
+        while True:
+            try:
+                upd = await asyncio.wait_for(q.get(), _LIVENESS_TICK_S)
+            except TimeoutError:
+                self._check_alive(prep, order, prefill_id, decode_id, last)
+                continue
+            last = time.monotonic()
+            for ready in order.push(upd):
+                if ready.HasField("error"):
+                    raise BackendError(
+                        STATUS.get(ready.error.code, "INTERNAL"), ready.error.message
+                    )
+                event = order.event(ready)
+                yield event
+                if event.finish_reason is not None:
+                    return
+
+    def _check_alive(self, prep, order, prefill_id, decode_id, last: float) -> None:
+        now = time.monotonic()
+        if time.time() > prep.deadline:
+            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
+        worker, role = (decode_id, "decode") if order.started else (prefill_id, "prefill")
+        live = {i.instance_id for i in self.registry.live(role, include_draining=True)}
+        if worker not in live:
+            raise BackendError("UNAVAILABLE", f"{role} instance {worker} went away mid-request")
+        if now - last > self.config.stall_timeout_s:
+            raise BackendError(
+                "UNAVAILABLE",
+                f"no tokens for {self.config.stall_timeout_s:.0f}s from {role} {worker}",
+            )
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.bus.publish(
+                subjects.ABORT, bus_pb2.Abort(request_id=request_id, reason="client")
+            )
+        except BusError as e:
+            log.warning("abort of %s not sent: %s", request_id, e)
+
+
+def _eos_ids(info: ModelInfo) -> list[int]:
+    import json
+
+    gen = info.model_dir / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    if eos is None:
+        eos = getattr(info.text_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [int(eos)]

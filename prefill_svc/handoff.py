@@ -1,0 +1,89 @@
+"""After prefill: tell the gateway the first token, then hand the request to decode."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.bus.connection import Bus
+from services.bus.deadline import timeout_for
+from services.bus.errors import BusError
+from services.kv_connector import KVSender
+from services.metrics import KV_BYTES_SENT, KV_TRANSFER_SECONDS
+from services.outputs import RequestOutput
+from services.wire import FINISH_TO_PROTO, STATUS, error, logprobs_from_dict, logprobs_to_proto
+
+log = logging.getLogger(__name__)
+
+
+class HandOffError(Exception):
+    def __init__(self, err: bus_pb2.Error):
+        super().__init__(err.message)
+        self.err = err
+
+
+def first_token_update(req: bus_pb2.PrefillRequest, out: RequestOutput) -> bus_pb2.TokenUpdate:
+    """The first token (or the failure) as the gateway expects it, offset 0."""
+    comp = out.outputs[0]
+    upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=comp.token_ids[:1], offset=0,
+                              num_cached_tokens=out.num_cached_tokens,
+                              finish_reason=FINISH_TO_PROTO[comp.finish_reason])  # fmt: skip
+    if comp.logprobs and comp.token_ids:
+        n = req.sampling.logprobs if req.sampling.HasField("logprobs") else 0
+        upd.logprobs.append(
+            logprobs_to_proto(logprobs_from_dict(comp.token_ids[0], comp.logprobs[0], n))
+        )
+    if isinstance(comp.stop_reason, int):
+        upd.stop_token_id = comp.stop_reason
+    if out.error:
+        upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_INTERNAL, out.error))
+    return upd
+
+
+class HandOff:
+    def __init__(self, bus: Bus, sender: KVSender, instance_id: str, timeout_s: float):
+        self.bus = bus
+        self.sender = sender
+        self.instance_id = instance_id
+        self.timeout_s = timeout_s
+
+    async def hand_over(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
+        """Ship the KV and the DecodeRequest; on failure the gateway gets a clear error."""
+        try:
+            await self._send(req, upd, kv)
+        except (BusError, HandOffError, ValueError, OSError) as e:
+            code = e.err.code if isinstance(e, HandOffError) else bus_pb2.ERROR_CODE_UNAVAILABLE
+            log.warning(
+                "hand-off of %s to %s failed: %s", req.request_id, req.decode_instance_id, e
+            )
+            fail = bus_pb2.TokenUpdate(request_id=req.request_id, offset=1,
+                                       finish_reason=FINISH_TO_PROTO["error"])  # fmt: skip
+            fail.error.CopyFrom(error(code, f"hand-off to decode instance {req.decode_instance_id} "
+                                            f"failed ({STATUS.get(code, 'UNAVAILABLE')}): {e}"))  # fmt: skip
+            batch = bus_pb2.TokenBatch(instance_id=self.instance_id, updates=[fail])
+            await self.bus.publish(subjects.out(req.gateway_id), batch)
+
+    async def _send(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
+        tid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+        timeout = timeout_for(req.deadline_unix_ms, "KV transfer", self.timeout_s)
+        start = time.perf_counter()
+        nbytes = await self.sender.send(req.decode_instance_id, tid, req.request_id, kv,
+                                        len(req.prompt_token_ids), timeout)  # fmt: skip
+        KV_BYTES_SENT.inc(nbytes)
+        KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
+        dreq = bus_pb2.DecodeRequest(
+            request_id=req.request_id, gateway_id=req.gateway_id, token_ids=req.prompt_token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids), first_token_id=upd.token_ids[0],
+            sampling=req.sampling, kv_transfer_id=tid, deadline_unix_ms=req.deadline_unix_ms,
+            eos_token_ids=req.eos_token_ids, max_model_len=req.max_model_len,
+            image_spans=req.image_spans,
+        )  # fmt: skip
+        if upd.logprobs:
+            dreq.first_logprobs.CopyFrom(upd.logprobs[0])
+        reply = await self.bus.request(subjects.decode(req.decode_instance_id), dreq,
+                                       bus_pb2.DecodeReply, timeout)  # fmt: skip
+        if reply.HasField("error"):
+            raise HandOffError(reply.error)

@@ -1,0 +1,164 @@
+"""The prefill service: the engine in prefill role.
+
+Takes ``PrefillRequest`` on ``epd.prefill.<id>``, reads image embeddings from Redis,
+runs the prompt (prefix cache, chunked prefill), publishes the first token straight to
+the gateway (TTFT does not wait for the KV transfer), then ships the prompt's KV blocks
+to the decode instance named in the request and hands the request over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
+from prefill_svc.handoff import HandOff, first_token_update
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.bus.codec import tensor_from_proto
+from services.bus.deadline import remaining_s
+from services.bus.handlers import Incoming
+from services.bus.heartbeat import HeartbeatPublisher, Load
+from services.config import EngineConfig, ServiceConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.llm_engine import LLMEngine
+from services.kv_connector import NatsKVSender
+from services.recent import RecentIds
+from services.runtime import connect_bus
+from services.wire import error, params_from_proto
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService:
+    role = subjects.ROLE_PREFILL
+
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
+        self.engine_config = engine_config
+        self.config = config
+        self.instance_id = config.instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.engine: AsyncEngine | None = None
+        self.bus = self.store = self.heartbeat = None
+        self.routes: dict[str, bus_pb2.PrefillRequest] = {}
+        self.aborted = RecentIds(ttl_s=120.0)
+        self._tasks: set[asyncio.Task] = set()
+        self._stopped = False
+
+    async def start(self) -> None:
+        llm = await asyncio.to_thread(LLMEngine, self.engine_config)
+        self.engine = AsyncEngine(llm, on_outputs=self._on_outputs)
+        self.engine.start()
+        self.store = EmbeddingStore.from_config(EmbeddingStoreConfig(url=self.config.redis_url))
+        self.bus = await connect_bus(self.config, self.instance_id)
+        self.handoff = HandOff(
+            self.bus, NatsKVSender(self.bus), self.instance_id, self.config.bus_timeout_s
+        )
+        await self.bus.subscribe(
+            subjects.prefill(self.instance_id), self._on_prefill, max_concurrency=64
+        )
+        await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
+        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
+                                            interval_s=self.config.heartbeat_s,
+                                            model=llm.loaded.fingerprint)  # fmt: skip
+        await self.heartbeat.start()
+        log.info("prefill %s ready", self.instance_id)
+
+    def _load(self) -> Load:
+        load = self.engine.load()
+        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
+
+    async def _on_prefill(self, msg: Incoming) -> None:
+        req = msg.decode(bus_pb2.PrefillRequest)
+        reply = bus_pb2.PrefillReply(request_id=req.request_id)
+        problem = await self._admit(req)
+        if problem is not None:
+            reply.error.CopyFrom(problem)
+        await msg.respond(reply)
+
+    async def _admit(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
+        rid = req.request_id
+        if rid in self.aborted or remaining_s(req.deadline_unix_ms) <= 0:
+            return error(
+                bus_pb2.ERROR_CODE_ABORTED, f"request {rid} was aborted or is past its deadline"
+            )
+        try:
+            params = params_from_proto(req.sampling)
+            embeds = await self._embeddings(req)
+        except ValueError as e:
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        except LookupError as e:
+            return error(bus_pb2.ERROR_CODE_UNAVAILABLE, str(e))
+        prompt = {"prompt_token_ids": list(req.prompt_token_ids),
+                  "image_hashes": [s.image_hash for s in req.image_spans]}  # fmt: skip
+        self.routes[rid] = req
+        llm = self.engine.engine
+        try:
+            await self.engine.call(
+                lambda: llm.add_request(rid, prompt, params, image_embeds=embeds, export_kv=True)
+            )
+        except (ValueError, MemoryError) as e:
+            self.routes.pop(rid, None)
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        return None
+
+    async def _embeddings(self, req: bus_pb2.PrefillRequest) -> list:
+        out = []
+        fingerprint = self.engine.engine.loaded.fingerprint
+        for span in req.image_spans:
+            if span.HasField("embedding"):
+                emb = tensor_from_proto(span.embedding, expected_shape=[span.length, None])
+            else:
+                emb = await self.store.get(fingerprint, span.image_hash)
+            if emb is None:
+                raise LookupError(f"embedding of image {span.image_hash[:12]} is not in the cache")
+            if emb.shape[0] != span.length:
+                raise ValueError(
+                    f"embedding of image {span.image_hash[:12]} has {emb.shape[0]} rows, expected {span.length}"
+                )
+            out.append(emb)
+        return out
+
+    def _on_outputs(self, outputs) -> None:
+        """One TokenBatch per gateway with this step's first tokens, then the hand-offs."""
+        batches: dict[str, bus_pb2.TokenBatch] = {}
+        for out in outputs:
+            req = self.routes.pop(out.request_id, None)
+            if req is None:
+                continue
+            upd = first_token_update(req, out)
+            batch = batches.setdefault(
+                req.gateway_id, bus_pb2.TokenBatch(instance_id=self.instance_id)
+            )
+            batch.updates.append(upd)
+            if out.outputs[0].finish_reason is None and out.kv_blocks is not None:
+                self._spawn(self.handoff.hand_over(req, upd, out.kv_blocks))
+        for gateway_id, batch in batches.items():
+            self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_abort(self, msg: Incoming) -> None:
+        rid = msg.decode(bus_pb2.Abort).request_id
+        self.aborted.add(rid)
+        if self.routes.pop(rid, None) is not None:
+            await self.engine.abort(rid)
+
+    async def stop(self) -> None:
+        """Stop heartbeats and intake, finish hand-offs (grace), stop the engine; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_grace_s)
+        if self.bus is not None:
+            await self.bus.close()
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.store is not None:
+            await self.store.close()

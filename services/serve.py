@@ -1,0 +1,33 @@
+"""``epd serve <role>``: one service in this process until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.config import EngineConfig, ServiceConfig
+from services.runtime import serve_until_signal
+
+
+def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig):
+    if role == "encoder":
+        from encoder_svc.service import EncoderService
+
+        return EncoderService(engine_config, config)
+    if role == "prefill":
+        from prefill_svc.service import PrefillService
+
+        return PrefillService(engine_config, config)
+    if role == "decode":
+        from decode_svc.service import DecodeService
+
+        return DecodeService(engine_config, config)
+    if role in ("gateway", "all"):
+        from gateway.app import Gateway
+
+        return Gateway(engine_config, config, aggregated=role == "all")
+    raise ValueError(f"unknown role {role!r}")
+
+
+def serve(role: str, engine_config: EngineConfig, config: ServiceConfig) -> int:
+    asyncio.run(serve_until_signal(make_service(role, engine_config, config)))
+    return 0

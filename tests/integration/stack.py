@@ -1,0 +1,82 @@
+"""The whole fleet in one process: encoder, prefill, N decode and a gateway, each with its
+own engine thread, bus connection and heartbeats, against private NATS and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode_svc.service import DecodeService
+from encoder_svc.service import EncoderService
+from gateway.app import Gateway
+from prefill_svc.service import PrefillService
+from protos.epd_pb import inference_pb2_grpc as pbg
+from services.config import EngineConfig, ServiceConfig
+
+
+@dataclass
+class Stack:
+    gateway: Gateway
+    encoder: EncoderService | None = None
+    prefill: PrefillService | None = None
+    decodes: list[DecodeService] = field(default_factory=list)
+    channel: grpc.aio.Channel | None = None
+
+    @property
+    def stub(self) -> pbg.InferenceStub:
+        return pbg.InferenceStub(self.channel)
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        await self.gateway.stop()
+        for svc in (self.prefill, *self.decodes, self.encoder):
+            if svc is not None:
+                await svc.stop()
+
+
+def service_config(nats_url: str, redis_url: str, name: str) -> ServiceConfig:
+    return ServiceConfig(nats_url=nats_url, redis_url=redis_url, instance_id=name, grpc_port=0, http_port=0,
+                         heartbeat_s=0.2, instance_ttl_s=1.0, bus_timeout_s=10.0,
+                         stall_timeout_s=10.0, request_timeout_s=60.0, shutdown_grace_s=2.0)  # fmt: skip
+
+
+async def start_gateway(engine: EngineConfig, cfg: ServiceConfig, aggregated: bool) -> Gateway:
+    gw = Gateway(engine, cfg, aggregated=aggregated)
+    await gw.start()
+    return gw
+
+
+async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str,
+                              num_decode: int = 2) -> Stack:  # fmt: skip
+    def cfg(name: str) -> ServiceConfig:
+        return service_config(nats_url, redis_url, f"{name}-{tag}")
+
+    encoder = EncoderService(engine, cfg("encoder"))
+    prefill = PrefillService(engine, cfg("prefill"))
+    decodes = [DecodeService(engine, cfg(f"decode{i}")) for i in range(num_decode)]
+    await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
+    gw = await start_gateway(engine, cfg("gateway"), aggregated=False)
+    registry = gw.core.backend.registry
+    await registry.wait_for(
+        lambda: (
+            len(registry.live("decode")) == num_decode
+            and registry.live("prefill")
+            and registry.live("encode")
+        ),
+        timeout_s=10.0,
+    )
+    stack = Stack(gw, encoder, prefill, decodes)
+    stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
+    return stack
+
+
+async def start_aggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str) -> Stack:
+    gw = await start_gateway(
+        engine, service_config(nats_url, redis_url, f"all-{tag}"), aggregated=True
+    )
+    stack = Stack(gw)
+    stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
+    return stack

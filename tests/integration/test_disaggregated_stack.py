@@ -1,0 +1,173 @@
+"""The E/P/D fleet (1 encoder, 1 prefill, 2 decode, gateway) over real NATS and Redis,
+against the aggregated engine behind the same gRPC API."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from protos.epd_pb import inference_pb2 as pb
+from services.config import EngineConfig
+from services.metrics import IMAGES_ENCODED, KV_BYTES_SENT
+from tests.helpers.checkpoints import random_image
+from tests.integration.stack import start_aggregated, start_disaggregated
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+
+def png(seed: int, size=(48, 40)) -> bytes:
+    buf = io.BytesIO()
+    random_image(seed, size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    return EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), block_size=16,
+                        num_kv_blocks=256)  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stacks(engine_config, nats_server, redis_server):
+    disagg = await start_disaggregated(engine_config, nats_server.url, redis_server.url, "t1")
+    agg = await start_aggregated(engine_config, nats_server.url, redis_server.url, "t1")
+    yield disagg, agg
+    await disagg.stop()
+    await agg.stop()
+
+
+def chat_request(
+    text: str, images: list[bytes], max_tokens: int = 12, **sampling
+) -> pb.GenerateRequest:
+    parts = [pb.ContentPart(image=im) for im in images] + [pb.ContentPart(text=text)]
+    msg = pb.ChatMessage(role="user", parts=parts)
+    sp = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling)
+    return pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[msg]), sampling=sp)
+
+
+async def collect(stub, req) -> tuple[list[int], str, int]:
+    ids, text, finish = [], "", 0
+    async for resp in stub.Generate(req):
+        ids += list(resp.token_ids)
+        text += resp.text
+        finish = resp.finish_reason or finish
+    return ids, text, finish
+
+
+async def test_disaggregated_equals_aggregated_under_16_streams(stacks):
+    disagg, agg = stacks
+    reqs = [chat_request(f"question number {i} about the picture", [png(100 + j) for j in range(i % 4)])
+            for i in range(16)]  # fmt: skip
+    before = [d.adopted for d in disagg.decodes]
+    ours = await asyncio.gather(*(collect(disagg.stub, r) for r in reqs))
+    ref = await asyncio.gather(*(collect(agg.stub, r) for r in reqs))
+    assert ours == ref
+    assert all(len(ids) == 12 or finish == pb.FINISH_REASON_STOP for ids, _, finish in ours)
+    assert all(d.adopted > b for d, b in zip(disagg.decodes, before, strict=True))
+
+
+async def test_repeated_image_is_encoded_once(stacks):
+    disagg, _ = stacks
+    image = png(7, (64, 64))
+    before = IMAGES_ENCODED._value.get()
+    outs = await asyncio.gather(
+        *(collect(disagg.stub, chat_request(f"look {i}", [image])) for i in range(4))
+    )
+    outs.append(await collect(disagg.stub, chat_request("look again", [image])))
+    assert IMAGES_ENCODED._value.get() - before == 1
+    assert all(ids for ids, _, _ in outs)
+
+
+async def test_kv_larger_than_max_payload_transfers_intact(stacks):
+    disagg, agg = stacks
+    max_payload = disagg.gateway.core.backend.bus.max_payload
+    words = " ".join(f"word{i}" for i in range(230))
+    req = chat_request(words, [], max_tokens=6)
+    before = KV_BYTES_SENT._value.get()
+    ours = await collect(disagg.stub, req)
+    assert KV_BYTES_SENT._value.get() - before > max_payload
+    assert ours == await collect(agg.stub, req)
+
+
+async def _quiescent(stack, free0: dict) -> bool:
+    engines = [stack.prefill.engine, *(d.engine for d in stack.decodes)]
+    for eng in engines:
+        if eng.engine.has_unfinished_requests():
+            return False
+        if eng.engine.block_manager.num_free_blocks != free0[id(eng)]:
+            return False
+    return True
+
+
+async def test_cancel_frees_kv_blocks_on_prefill_and_decode(stacks):
+    disagg, _ = stacks
+    engines = [disagg.prefill.engine, *(d.engine for d in disagg.decodes)]
+    free0 = {id(e): e.engine.block_manager.num_free_blocks for e in engines}
+    call = disagg.stub.Generate(
+        chat_request("tell me a long story", [], max_tokens=1500, ignore_eos=True)
+    )
+    got = 0
+    async for resp in call:
+        got += len(resp.token_ids)
+        if got >= 3:
+            break
+    call.cancel()
+    for _ in range(200):
+        if await _quiescent(disagg, free0):
+            break
+        await asyncio.sleep(0.05)
+    assert await _quiescent(disagg, free0)
+
+
+@pytest.mark.parametrize(
+    "mutate,code",
+    [
+        (lambda r: r.sampling.__setattr__("temperature", -1.0), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: r.sampling.__setattr__("top_p", 0.0), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: r.sampling.__setattr__("max_tokens", 0), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: r.__setattr__("model", "no-such-model"), grpc.StatusCode.NOT_FOUND),
+        (
+            lambda r: r.chat.messages[0].parts.append(pb.ContentPart(image=b"not an image")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda r: r.chat.messages[0].parts.append(pb.ContentPart(text=" x" * 3000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (lambda r: r.ClearField("chat"), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_bad_input_gets_a_status_and_service_keeps_serving(stacks, mutate, code):
+    disagg, _ = stacks
+    req = chat_request("hello", [])
+    mutate(req)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await disagg.stub.GenerateOnce(req)
+    assert err.value.code() == code
+    assert err.value.details()
+    ok = await disagg.stub.GenerateOnce(chat_request("hello again", [], max_tokens=3))
+    assert len(ok.token_ids) >= 1
+
+
+async def test_health_and_reflection(stacks):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    disagg, _ = stacks
+    health = health_pb2_grpc.HealthStub(disagg.channel)
+    resp = await health.Check(health_pb2.HealthCheckRequest(service="epd.v1.Inference"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    sync_channel = grpc.insecure_channel(f"127.0.0.1:{disagg.gateway.grpc_port}")
+    try:
+        services = await asyncio.to_thread(
+            lambda: ProtoReflectionDescriptorDatabase(sync_channel).get_services()
+        )
+    finally:
+        sync_channel.close()
+    assert "epd.v1.Inference" in services
