@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 
 from gateway.core import GatewayCore
-from gateway.grpc_server import start_grpc_server
+from gateway.grpc_server import start_grpc_server, track_health
 from gateway.prepare import RequestPreparer
 from services.config import EngineConfig, ServiceConfig
 from services.models.info import ModelInfo
@@ -28,6 +30,7 @@ class Gateway:
         self.grpc_server = None
         self.grpc_port = 0
         self._stopped = False
+        self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         info = ModelInfo.load(self.engine_config)
@@ -36,8 +39,11 @@ class Gateway:
         await backend.start()
         preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s)
         self.core = GatewayCore(preparer, backend)
-        self.grpc_server, self.grpc_port = await start_grpc_server(
+        self.grpc_server, self.grpc_port, health = await start_grpc_server(
             self.core, self.config.host, self.config.grpc_port
+        )
+        self._health_task = asyncio.create_task(
+            track_health(health, self.core, self.config.heartbeat_s / 2)
         )
         log.info("gateway %s serving gRPC on port %d", self.instance_id, self.grpc_port)
 
@@ -57,6 +63,10 @@ class Gateway:
         if self._stopped:
             return
         self._stopped = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
         if self.grpc_server is not None:
             await self.grpc_server.stop(self.config.shutdown_grace_s)
         if self.core is not None:

@@ -58,7 +58,12 @@ class DisaggregatedBackend:
             await self.bus.close()
 
     def ready(self) -> bool:
-        return self.bus is not None and self.bus.is_connected
+        """Serving needs a prefill and a decode instance (and an encoder for a VLM)."""
+        if self.bus is None or not self.bus.is_connected:
+            return False
+        roles = [subjects.ROLE_PREFILL, subjects.ROLE_DECODE]
+        roles += [subjects.ROLE_ENCODE] if self.info.vision else []
+        return all(self.registry.live(role) for role in roles)
 
     async def _on_tokens(self, msg: Incoming) -> None:
         for upd in msg.decode(bus_pb2.TokenBatch).updates:

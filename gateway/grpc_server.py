@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -114,8 +115,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[model])
 
 
-async def start_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Serve Inference + grpc.health.v1 + reflection; returns (server, bound port)."""
+async def track_health(health_servicer, core: GatewayCore, period_s: float) -> None:
+    """SERVING only while the backend can take requests (workers alive, engine running)."""
+    name = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    while True:
+        status = serving if core.backend.ready() else not_serving
+        for service in ("", name):
+            await health_servicer.set(service, status)
+        await asyncio.sleep(period_s)
+
+
+async def start_grpc_server(core: GatewayCore, host: str, port: int):
+    """Serve Inference + grpc.health.v1 + reflection; returns (server, bound port, health)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(core), server)
     health_servicer = health.aio.HealthServicer()
@@ -125,6 +140,4 @@ async def start_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[gr
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    for name in ("", names[0]):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return server, bound, health_servicer
