@@ -161,6 +161,22 @@ class DecodeService:
         if self.routes.pop(rid, None) is not None:
             await self.engine.abort(rid)
 
+    async def _fail_in_flight(self, reason: str) -> None:
+        """Tell each gateway its requests here will not finish (no silent loss)."""
+        batches: dict[str, bus_pb2.TokenBatch] = {}
+        for rid, req in list(self.routes.items()):
+            upd = bus_pb2.TokenUpdate(request_id=rid, finish_reason=FINISH_TO_PROTO["error"])
+            upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_UNAVAILABLE, reason))
+            batches.setdefault(
+                req.gateway_id, bus_pb2.TokenBatch(instance_id=self.instance_id)
+            ).updates.append(upd)
+        self.routes.clear()
+        for gateway_id, batch in batches.items():
+            try:
+                await self.bus.publish(subjects.out(gateway_id), batch)
+            except BusError as e:
+                log.warning("could not tell gateway %s about shutdown: %s", gateway_id, e)
+
     async def stop(self) -> None:
         """Stop heartbeats and intake, flush pending token batches, stop the engine."""
         if self._stopped:
@@ -168,6 +184,8 @@ class DecodeService:
         self._stopped = True
         if self.heartbeat is not None:
             await self.heartbeat.stop()
+        if self.bus is not None:
+            await self._fail_in_flight("the decode instance is shutting down")
         if self.receiver is not None:
             await self.receiver.close()
         if self._tasks:

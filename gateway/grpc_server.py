@@ -7,6 +7,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -115,6 +116,43 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[model])
 
 
+def _parsed(method, msg_type, streaming: bool):
+    """Parse the request ourselves: undecodable bytes get INVALID_ARGUMENT, not INTERNAL."""
+
+    async def parse(raw: bytes, context):
+        try:
+            return msg_type.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
+
+    if streaming:
+
+        async def stream(raw, context):
+            async for resp in method(await parse(raw, context), context):
+                yield resp
+
+        return stream
+
+    async def unary(raw, context):
+        return await method(await parse(raw, context), context)
+
+    return unary
+
+
+def _inference_handlers(servicer: InferenceServicer):
+    raw = lambda b: b  # noqa: E731 - identity deserializer
+    ser = lambda m: m.SerializeToString()  # noqa: E731
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _parsed(servicer.Generate, pb.GenerateRequest, True), raw, ser),
+        "GenerateOnce": grpc.unary_unary_rpc_method_handler(
+            _parsed(servicer.GenerateOnce, pb.GenerateRequest, False), raw, ser),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            _parsed(servicer.ListModels, pb.ListModelsRequest, False), raw, ser),
+    }  # fmt: skip
+    return grpc.method_handlers_generic_handler("epd.v1.Inference", handlers)
+
+
 async def track_health(health_servicer, core: GatewayCore, period_s: float) -> None:
     """SERVING only while the backend can take requests (workers alive, engine running)."""
     name = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -132,7 +170,7 @@ async def track_health(health_servicer, core: GatewayCore, period_s: float) -> N
 async def start_grpc_server(core: GatewayCore, host: str, port: int):
     """Serve Inference + grpc.health.v1 + reflection; returns (server, bound port, health)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(core), server)
+    server.add_generic_rpc_handlers((_inference_handlers(InferenceServicer(core)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Inference"].full_name,

@@ -153,6 +153,15 @@ async def test_bad_input_gets_a_status_and_service_keeps_serving(stacks, mutate,
     assert len(ok.token_ids) >= 1
 
 
+async def test_undecodable_request_bytes_get_invalid_argument(stacks):
+    disagg, _ = stacks
+    raw = disagg.channel.unary_unary("/epd.v1.Inference/GenerateOnce")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(b"\xff\xff\xff\xff")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed" in err.value.details()
+
+
 async def test_health_and_reflection(stacks):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (

@@ -1,0 +1,73 @@
+"""Failures across the fleet: Redis down means cache misses, not failed requests; a decode
+instance that dies mid-request gives the client a clear UNAVAILABLE, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from protos.epd_pb import inference_pb2 as pb
+from services.config import EngineConfig
+from services.localstack import free_port
+from tests.helpers.checkpoints import random_image
+from tests.integration.stack import start_disaggregated
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory, nats_server):
+    engine = EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=128
+    )
+    dead_redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    s = await start_disaggregated(engine, nats_server.url, dead_redis, "fail")
+    yield s
+    await s.stop()
+
+
+def request(text: str, images=(), max_tokens: int = 8, **kw) -> pb.GenerateRequest:
+    parts = [pb.ContentPart(image=im) for im in images] + [pb.ContentPart(text=text)]
+    sp = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+    return pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", parts=parts)]), sampling=sp
+    )
+
+
+async def test_image_requests_succeed_with_redis_down(stack):
+    buf = io.BytesIO()
+    random_image(3).save(buf, format="PNG")
+    out = await stack.stub.GenerateOnce(request("what is this", [buf.getvalue()]), timeout=60)
+    assert len(out.token_ids) == 8
+
+
+async def test_decode_crash_mid_request_is_unavailable_not_a_hang(stack):
+    call = stack.stub.Generate(request("long answer please", max_tokens=1500, ignore_eos=True))
+    got = 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async with asyncio.timeout(30):
+            async for resp in call:
+                got += len(resp.token_ids)
+                if got >= 2 and not any(d.bus.client.is_closed for d in stack.decodes):
+                    victim = next(d for d in stack.decodes if d.routes)
+                    await _crash(victim)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "went away" in err.value.details() or "decode" in err.value.details()
+    survivor = next(d for d in stack.decodes if not d.bus.client.is_closed)
+    before = survivor.adopted
+    out = await stack.stub.GenerateOnce(request("still there?"), timeout=60)
+    assert len(out.token_ids) == 8 and survivor.adopted == before + 1
+
+
+async def _crash(decode) -> None:
+    """Vanish without a word: no draining heartbeat, no error message, connection gone."""
+    decode.heartbeat._task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await decode.heartbeat._task
+    await decode.bus.client.close()
+    decode.routes.clear()
