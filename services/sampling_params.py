@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Seeds travel to the sampler as int64.
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -61,8 +65,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+            )
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -71,8 +77,13 @@ class SamplingParams:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            # Stop strings are matched on the detokenized text; they would be ignored.
+            raise ValueError("stop strings need detokenize=True")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(f"seed must fit in int64, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

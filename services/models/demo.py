@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = 3
+DEMO_VERSION = 4
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -37,17 +37,22 @@ def _vocab_dir() -> Path:
 
 def _build_tokenizer(out: Path):
     from tokenizers.processors import TemplateProcessing
-    from transformers import BertTokenizerFast
+    from transformers import BertTokenizerFast, PreTrainedTokenizerFast
 
-    tok = BertTokenizerFast.from_pretrained(str(_vocab_dir()), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    bert = BertTokenizerFast.from_pretrained(str(_vocab_dir()), local_files_only=True)
+    backend = bert.backend_tokenizer
     # A decoder wants BOS only: [CLS] acts as BOS, [SEP] as EOS.
-    tok._tokenizer.post_processor = TemplateProcessing(
-        single="[CLS] $A", pair="[CLS] $A $B", special_tokens=[("[CLS]", tok.cls_token_id)]
+    backend.post_processor = TemplateProcessing(
+        single="[CLS] $A", pair="[CLS] $A $B", special_tokens=[("[CLS]", bert.cls_token_id)]
     )
-    tok.bos_token, tok.eos_token = "[CLS]", "[SEP]"
+    # The generic fast class keeps tokenizer.json as saved (BertTokenizer would rebuild the
+    # post-processor on load and append [SEP], i.e. EOS, to every prompt).
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]",
+        pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+        additional_special_tokens=["<image>"], model_max_length=2048,
+    )  # fmt: skip
     tok.chat_template = CHAT_TEMPLATE
-    tok.model_max_length = 2048
     tok.save_pretrained(str(out))
     return tok
 
