@@ -40,7 +40,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Number of top logprobs to return per generated token (None: no logprobs).
     logprobs: int | None = None
-    # Detokenize while generating (the gateway detokenizes itself and turns this off).
+    # Detokenize while generating. The services turn this off: the gateway detokenizes and
+    # applies stop strings itself, then aborts the request on the workers.
     detokenize: bool = True
     skip_special_tokens: bool = True
 
@@ -79,9 +80,6 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.stop and not self.detokenize:
-            # Stop strings are matched on the detokenized text; they would be ignored.
-            raise ValueError("stop strings need detokenize=True")
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ValueError(f"seed must fit in int64, got {self.seed}")
 

@@ -70,6 +70,18 @@ async def test_disaggregated_equals_aggregated_under_16_streams(stacks):
     assert all(d.adopted > b for d, b in zip(disagg.decodes, before, strict=True))
 
 
+async def test_stop_strings_end_the_request_at_the_gateway(stacks):
+    disagg, agg = stacks
+    _, full_text, _ = await collect(agg.stub, chat_request("say something", [], max_tokens=16))
+    words = full_text.split()
+    stop = words[len(words) // 2]
+    req = chat_request("say something", [], max_tokens=16, stop=[stop])
+    for stack in (disagg, agg):
+        _, text, finish = await collect(stack.stub, req)
+        assert finish == pb.FINISH_REASON_STOP
+        assert stop not in text and full_text.startswith(text)
+
+
 async def test_repeated_image_is_encoded_once(stacks):
     disagg, _ = stacks
     image = png(7, (64, 64))
