@@ -7,9 +7,7 @@ one ``TokenBatch`` per gateway with every request's new tokens.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import uuid
 
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
@@ -17,13 +15,10 @@ from services.bus.codec import dtype_name
 from services.bus.deadline import timeout_for
 from services.bus.errors import BusError
 from services.bus.handlers import Incoming
-from services.bus.heartbeat import HeartbeatPublisher, Load
 from services.config import EngineConfig, ServiceConfig
-from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
+from services.engine_service import EngineService
 from services.kv_connector import NatsKVReceiver
-from services.recent import RecentIds
-from services.runtime import connect_bus
 from services.wire import (
     FINISH_TO_PROTO,
     error,
@@ -36,28 +31,17 @@ from services.wire import (
 log = logging.getLogger(__name__)
 
 
-class DecodeService:
+class DecodeService(EngineService):
     role = subjects.ROLE_DECODE
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
-        self.engine_config = engine_config
-        self.config = config
-        self.instance_id = config.instance_id or f"decode-{uuid.uuid4().hex[:8]}"
-        self.engine: AsyncEngine | None = None
-        self.bus = self.receiver = self.heartbeat = None
-        self.routes: dict[str, bus_pb2.DecodeRequest] = {}
-        self.aborted = RecentIds(ttl_s=120.0)
+        super().__init__(engine_config, config)
+        self.receiver = None
         self.step = 0
         # Requests adopted since start (a metric; tests check both instances get work).
         self.adopted = 0
-        self._tasks: set[asyncio.Task] = set()
-        self._stopped = False
 
-    async def start(self) -> None:
-        llm = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.engine = AsyncEngine(llm, on_outputs=self._on_outputs)
-        self.engine.start()
-        self.bus = await connect_bus(self.config, self.instance_id)
+    async def _register(self, llm: LLMEngine) -> None:
         m = llm.model
         layout = (llm.loaded.num_layers, llm.config.block_size, m.num_kv_heads, m.head_dim,
                   dtype_name(llm.loaded.dtype))  # fmt: skip
@@ -66,16 +50,6 @@ class DecodeService:
         await self.bus.subscribe(
             subjects.decode(self.instance_id), self._on_decode, max_concurrency=64
         )
-        await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
-        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
-                                            interval_s=self.config.heartbeat_s,
-                                            model=llm.loaded.fingerprint)  # fmt: skip
-        await self.heartbeat.start()
-        log.info("decode %s ready", self.instance_id)
-
-    def _load(self) -> Load:
-        load = self.engine.load()
-        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
 
     async def _on_decode(self, msg: Incoming) -> None:
         req = msg.decode(bus_pb2.DecodeRequest)
@@ -131,9 +105,7 @@ class DecodeService:
             )
             batch.updates.append(self._update(req, out))
         for gateway_id, batch in batches.items():
-            task = asyncio.create_task(self.bus.publish(subjects.out(gateway_id), batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 
     @staticmethod
     def _update(req: bus_pb2.DecodeRequest, out) -> bus_pb2.TokenUpdate:
@@ -155,12 +127,6 @@ class DecodeService:
             upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_INTERNAL, out.error))
         return upd
 
-    async def _on_abort(self, msg: Incoming) -> None:
-        rid = msg.decode(bus_pb2.Abort).request_id
-        self.aborted.add(rid)
-        if self.routes.pop(rid, None) is not None:
-            await self.engine.abort(rid)
-
     async def _fail_in_flight(self, reason: str) -> None:
         """Tell each gateway its requests here will not finish (no silent loss)."""
         batches: dict[str, bus_pb2.TokenBatch] = {}
@@ -177,20 +143,7 @@ class DecodeService:
             except BusError as e:
                 log.warning("could not tell gateway %s about shutdown: %s", gateway_id, e)
 
-    async def stop(self) -> None:
-        """Stop heartbeats and intake, flush pending token batches, stop the engine."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        if self.bus is not None:
-            await self._fail_in_flight("the decode instance is shutting down")
+    async def _before_drain(self) -> None:
+        await self._fail_in_flight("the decode instance is shutting down")
         if self.receiver is not None:
             await self.receiver.close()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_grace_s)
-        if self.bus is not None:
-            await self.bus.close()
-        if self.engine is not None:
-            await self.engine.shutdown()

@@ -8,9 +8,7 @@ to the decode instance named in the request and hands the request over.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import uuid
 
 from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
 from prefill_svc.handoff import HandOff, first_token_update
@@ -19,54 +17,30 @@ from services.bus import subjects
 from services.bus.codec import tensor_from_proto
 from services.bus.deadline import remaining_s
 from services.bus.handlers import Incoming
-from services.bus.heartbeat import HeartbeatPublisher, Load
 from services.config import EngineConfig, ServiceConfig
-from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
+from services.engine_service import EngineService
 from services.kv_connector import NatsKVSender
-from services.recent import RecentIds
-from services.runtime import connect_bus
 from services.wire import error, params_from_proto
 
 log = logging.getLogger(__name__)
 
 
-class PrefillService:
+class PrefillService(EngineService):
     role = subjects.ROLE_PREFILL
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
-        self.engine_config = engine_config
-        self.config = config
-        self.instance_id = config.instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        self.engine: AsyncEngine | None = None
-        self.bus = self.store = self.heartbeat = None
-        self.routes: dict[str, bus_pb2.PrefillRequest] = {}
-        self.aborted = RecentIds(ttl_s=120.0)
-        self._tasks: set[asyncio.Task] = set()
-        self._stopped = False
+        super().__init__(engine_config, config)
+        self.store = None
 
-    async def start(self) -> None:
-        llm = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.engine = AsyncEngine(llm, on_outputs=self._on_outputs)
-        self.engine.start()
+    async def _register(self, llm: LLMEngine) -> None:
         self.store = EmbeddingStore.from_config(EmbeddingStoreConfig(url=self.config.redis_url))
-        self.bus = await connect_bus(self.config, self.instance_id)
         self.handoff = HandOff(
             self.bus, NatsKVSender(self.bus), self.instance_id, self.config.bus_timeout_s
         )
         await self.bus.subscribe(
             subjects.prefill(self.instance_id), self._on_prefill, max_concurrency=64
         )
-        await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
-        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
-                                            interval_s=self.config.heartbeat_s,
-                                            model=llm.loaded.fingerprint)  # fmt: skip
-        await self.heartbeat.start()
-        log.info("prefill %s ready", self.instance_id)
-
-    def _load(self) -> Load:
-        load = self.engine.load()
-        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
 
     async def _on_prefill(self, msg: Incoming) -> None:
         req = msg.decode(bus_pb2.PrefillRequest)
@@ -136,29 +110,6 @@ class PrefillService:
         for gateway_id, batch in batches.items():
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _on_abort(self, msg: Incoming) -> None:
-        rid = msg.decode(bus_pb2.Abort).request_id
-        self.aborted.add(rid)
-        if self.routes.pop(rid, None) is not None:
-            await self.engine.abort(rid)
-
-    async def stop(self) -> None:
-        """Stop heartbeats and intake, finish hand-offs (grace), stop the engine; idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_grace_s)
-        if self.bus is not None:
-            await self.bus.close()
-        if self.engine is not None:
-            await self.engine.shutdown()
+    async def _close_extra(self) -> None:
         if self.store is not None:
             await self.store.close()

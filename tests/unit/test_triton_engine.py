@@ -5,23 +5,9 @@ prefill and mixed prefill/decode steps; shared prompt prefixes hit the prefix ca
 the extend kernel sees cached prefixes and the decode kernel sees many block sizes.
 """
 
-import os
+import pytest
 
-import torch
-
-if not torch.cuda.is_available():  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language
-
-    if type(triton.language.sum).__name__ == "JITFunction":  # imported earlier, compiled mode
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set (e.g. by transformers in an "
-            "earlier test module); set it in tests/conftest.py before anything imports triton"
-        )
-
-import pytest  # noqa: E402
-
-from services import LLM, SamplingParams  # noqa: E402
+from services import LLM, SamplingParams
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 

@@ -6,30 +6,18 @@ interpreter's bf16 arithmetic is wrong, so bf16 is covered on a GPU only (see
 """
 
 import math
-import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language
-
-    if type(triton.language.sum).__name__ == "JITFunction":  # imported earlier, compiled mode
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set (e.g. by transformers in an "
-            "earlier test module); set it in tests/conftest.py before anything imports triton"
-        )
-
-import pytest  # noqa: E402
-
-from services.kernels import torch_backend as ref  # noqa: E402
-from services.kernels.metadata import AttentionMetadata  # noqa: E402
-from services.kernels.triton_attention import choose_num_splits, decode_attention  # noqa: E402
-from services.kernels.triton_backend import TritonBackend  # noqa: E402
-from services.kernels.triton_extend import extend_attention  # noqa: E402
-from services.kernels.triton_kv import write_kv  # noqa: E402
-from services.kernels.triton_norm import rms_norm  # noqa: E402
-from services.kernels.triton_rotary import rotary  # noqa: E402
+from services.kernels import torch_backend as ref
+from services.kernels.metadata import AttentionMetadata
+from services.kernels.triton_attention import choose_num_splits, decode_attention
+from services.kernels.triton_backend import TritonBackend
+from services.kernels.triton_extend import extend_attention
+from services.kernels.triton_kv import write_kv
+from services.kernels.triton_norm import rms_norm
+from services.kernels.triton_rotary import rotary
 
 pytestmark = pytest.mark.triton
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

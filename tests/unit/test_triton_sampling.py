@@ -5,27 +5,14 @@ both key their noise on ``mix_seed(seed, position)`` only, so each is compared w
 twin's mask and with softmax(logits / T) by a chi-square test, not token by token.
 """
 
-import os
-
+import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language
-
-    if type(triton.language.sum).__name__ == "JITFunction":  # imported earlier, compiled mode
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set (e.g. by transformers in an "
-            "earlier test module); set it in tests/conftest.py before anything imports triton"
-        )
-
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from services.kernels import torch_backend as ref  # noqa: E402
-from services.kernels.metadata import SamplingTensors  # noqa: E402
-from services.kernels.triton_sampling import mix_seed, sample  # noqa: E402
+from services.kernels import torch_backend as ref
+from services.kernels.metadata import SamplingTensors
+from services.kernels.triton_sampling import mix_seed, sample
 
 pytestmark = pytest.mark.triton
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
