@@ -1,4 +1,9 @@
-"""Micro-batching: images that arrive within a short window share one tower pass."""
+"""Micro-batching: images that arrive while the tower is busy share its next pass.
+
+An idle encoder starts a pass at once (after ``window_s``, 0 by default: a fixed wait
+only adds latency when load is light); while a pass runs, new images queue up and go
+together in the next one, so batches grow exactly when load does.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from PIL import Image
 
 from services.metrics import ENCODE_BATCH
 
@@ -16,48 +22,48 @@ log = logging.getLogger(__name__)
 class EncodeBatcher:
     """``submit(image)`` -> its embedding; ``encode_fn`` runs batches in a worker thread."""
 
-    def __init__(self, encode_fn: Callable[[list[bytes]], list[torch.Tensor]],
-                 window_s: float, max_batch: int = 32):  # fmt: skip
+    def __init__(self, encode_fn: Callable[[list[Image.Image]], list[torch.Tensor]],
+                 window_s: float = 0.0, max_batch: int = 32):  # fmt: skip
         self.encode_fn = encode_fn
         self.window_s = window_s
         self.max_batch = max_batch
-        self._pending: list[tuple[bytes, asyncio.Future]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._pending: list[tuple[Image.Image, asyncio.Future]] = []
+        self._busy = False
         self._tasks: set[asyncio.Task] = set()
-        # One tower pass at a time: torch already uses every core for one batch.
-        self._lock = asyncio.Lock()
 
-    async def submit(self, image: bytes) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+    async def submit(self, image: Image.Image) -> torch.Tensor:
+        fut = asyncio.get_running_loop().create_future()
         self._pending.append((image, fut))
-        if len(self._pending) >= self.max_batch:
-            self._dispatch()
-        elif self._timer is None:
-            self._timer = loop.call_later(self.window_s, self._dispatch)
+        if not self._busy:
+            self._start()
         return await fut
 
-    def _dispatch(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        batch, self._pending = self._pending, []
-        if batch:
-            task = asyncio.create_task(self._run(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _start(self) -> None:
+        if self._busy or not self._pending:
+            return
+        self._busy = True
+        task = asyncio.create_task(self._run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch: list[tuple[bytes, asyncio.Future]]) -> None:
-        async with self._lock:
+    async def _run(self) -> None:
+        try:
+            if self.window_s:
+                await asyncio.sleep(self.window_s)
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             ENCODE_BATCH.observe(len(batch))
             try:
                 out = await asyncio.to_thread(self.encode_fn, [img for img, _ in batch])
             except Exception as e:  # every waiter learns why; nobody hangs
                 log.warning("encoder batch failed: %s", e)
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                return
-        for (_, fut), emb in zip(batch, out, strict=True):
-            if not fut.done():
-                fut.set_result(emb)
+                out = [e] * len(batch)
+            for (_, fut), emb in zip(batch, out, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(emb, Exception):
+                    fut.set_exception(emb)
+                else:
+                    fut.set_result(emb)
+        finally:
+            self._busy = False
+            self._start()  # what queued up during this pass goes next, together

@@ -6,6 +6,7 @@ image costs one Redis GET; concurrent requests for the same image encode it once
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -62,14 +63,14 @@ class EncoderService:
         return Load(running=self.in_flight)
 
     @torch.inference_mode()
-    def _encode_batch(self, images: list[bytes]) -> list[torch.Tensor]:
-        """Worker thread: decode, preprocess and encode a batch -> one tensor per image."""
-        pixels = self.preprocessor([decode_image(b) for b in images]).to(self.model.device)
+    def _encode_batch(self, images: list) -> list[torch.Tensor]:
+        """Worker thread: preprocess and encode a batch of PIL images -> one tensor each."""
+        pixels = self.preprocessor(images).to(self.model.device)
         out = self.model.model(pixels)
         IMAGES_ENCODED.inc(len(images))
         return [e.detach().to("cpu").contiguous() for e in out]
 
-    async def _encode_and_store(self, image: bytes, digest: str) -> tuple[torch.Tensor, bool]:
+    async def _encode_and_store(self, image, digest: str) -> tuple[torch.Tensor, bool]:
         emb = await self.batcher.submit(image)
         stored = await self.store.put(self.fingerprint, digest, emb)
         return emb, stored
@@ -102,9 +103,9 @@ class EncoderService:
             reply.num_tokens = emb.shape[0]
             return reply
         try:
-            decode_image(req.image)
+            image = await asyncio.to_thread(decode_image, req.image)
             emb, stored = await self.flight.do(
-                req.image_hash, lambda: self._encode_and_store(req.image, req.image_hash)
+                req.image_hash, lambda: self._encode_and_store(image, req.image_hash)
             )
         except ImageError as e:
             reply.error.CopyFrom(error(_INVALID, str(e)))

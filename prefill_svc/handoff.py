@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -67,13 +68,29 @@ class HandOff:
             await self.bus.publish(subjects.out(req.gateway_id), batch)
 
     async def _send(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
+        """KV and DecodeRequest go out together: decode waits for the transfer itself, so
+        the hand-off costs one transfer, not a transfer plus a round trip."""
         tid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         timeout = timeout_for(req.deadline_unix_ms, "KV transfer", self.timeout_s)
+        adopt = asyncio.create_task(self.bus.request(
+            subjects.decode(req.decode_instance_id), self._decode_request(req, upd, tid),
+            bus_pb2.DecodeReply, timeout,
+        ))  # fmt: skip
         start = time.perf_counter()
-        nbytes = await self.sender.send(req.decode_instance_id, tid, req.request_id, kv,
-                                        len(req.prompt_token_ids), timeout)  # fmt: skip
+        try:
+            nbytes = await self.sender.send(req.decode_instance_id, tid, req.request_id, kv,
+                                            len(req.prompt_token_ids), timeout)  # fmt: skip
+        except BaseException:
+            adopt.cancel()
+            raise
         KV_BYTES_SENT.inc(nbytes)
         KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
+        reply = await adopt
+        if reply.HasField("error"):
+            raise HandOffError(reply.error)
+
+    @staticmethod
+    def _decode_request(req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, tid: str):
         dreq = bus_pb2.DecodeRequest(
             request_id=req.request_id, gateway_id=req.gateway_id, token_ids=req.prompt_token_ids,
             num_prompt_tokens=len(req.prompt_token_ids), first_token_id=upd.token_ids[0],
@@ -83,7 +100,4 @@ class HandOff:
         )  # fmt: skip
         if upd.logprobs:
             dreq.first_logprobs.CopyFrom(upd.logprobs[0])
-        reply = await self.bus.request(subjects.decode(req.decode_instance_id), dreq,
-                                       bus_pb2.DecodeReply, timeout)  # fmt: skip
-        if reply.HasField("error"):
-            raise HandOffError(reply.error)
+        return dreq

@@ -137,8 +137,9 @@ class ServiceConfig:
     instance_ttl_s: float = 3.0
     # Embedding-cache entry lifetime in Redis.
     embedding_ttl_s: int = 3600
-    # Encoder batching window in milliseconds.
-    encode_batch_window_ms: float = 5.0
+    # Extra wait before an idle encoder starts a pass, in milliseconds. Images that arrive
+    # during a pass always go together in the next one; a fixed wait only adds latency.
+    encode_batch_window_ms: float = 0.0
     # Seconds in-flight work may take to finish at shutdown.
     shutdown_grace_s: float = 10.0
 
