@@ -58,3 +58,15 @@ def test_prompt_forms_and_chat(llava_ckpt):
         chat.prompt_token_ids.count(llm.engine.model.image_token_id)
         == llm.engine.model.tokens_per_image
     )
+
+
+def test_dummy_load_format_builds_the_architecture_with_random_weights(llama_ckpt):
+    real = LLM(str(llama_ckpt), num_kv_blocks=16)
+    dummy = LLM(str(llama_ckpt), load_format="dummy", num_kv_blocks=16)
+    w_real = real.engine.model.model.layers[0].mlp.down_proj.weight
+    w_dummy = dummy.engine.model.model.layers[0].mlp.down_proj.weight
+    assert w_real.shape == w_dummy.shape and not torch.equal(w_real, w_dummy)
+    out = dummy.generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3)
+    )
+    assert len(out[0].outputs[0].token_ids) >= 1
