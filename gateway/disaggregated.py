@@ -63,7 +63,8 @@ class DisaggregatedBackend:
             return False
         roles = [subjects.ROLE_PREFILL, subjects.ROLE_DECODE]
         roles += [subjects.ROLE_ENCODE] if self.info.vision else []
-        return all(self.registry.live(role) for role in roles)
+        fp = self.info.fingerprint
+        return all(any(i.model == fp for i in self.registry.live(role)) for role in roles)
 
     async def _on_tokens(self, msg: Incoming) -> None:
         for upd in msg.decode(bus_pb2.TokenBatch).updates:
@@ -72,7 +73,7 @@ class DisaggregatedBackend:
                 q.put_nowait(upd)
 
     def _pick(self, role: str) -> str:
-        chosen = self.registry.pick_least_loaded(role)
+        chosen = self.registry.pick_least_loaded(role, model=self.info.fingerprint)
         if chosen is None:
             raise BackendError("UNAVAILABLE", f"no live {role} instance")
         return chosen

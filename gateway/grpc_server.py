@@ -50,6 +50,15 @@ def _logprobs(tokenizer, delta_lps) -> list[pb.TokenLogprob]:
     return out
 
 
+async def _abort_with_status(context, request_id: str, e: Exception) -> None:
+    if isinstance(e, BackendError):
+        await context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), e.message)
+    if isinstance(e, ValueError):  # the engine refused the request (e.g. KV pool too small)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    log.exception("request %s failed", request_id, exc_info=e)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, core: GatewayCore):
         self.core = core
@@ -91,8 +100,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             async for delta, stream in self.core.run(prep):
                 yield self._response(prep, delta, stream)
-        except BackendError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        except Exception as e:  # errors are values at the edge: always a status
+            await _abort_with_status(context, prep.request_id, e)
 
     async def GenerateOnce(self, request, context):  # noqa: N802
         prep = await self._prepare(request, context)
@@ -100,8 +109,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             async for _, current in self.core.run(prep):
                 stream = current
-        except BackendError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        except Exception as e:
+            await _abort_with_status(context, prep.request_id, e)
         return pb.GenerateResult(
             request_id=prep.request_id, token_ids=stream.token_ids, text=stream.text,
             logprobs=_logprobs(self.core.tokenizer, stream.logprobs),
