@@ -5,6 +5,9 @@ These functions define the contracts the Triton kernels are tested against.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -33,60 +36,117 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """[num_blocks, bs, H, D] indexed by a block list -> the first `length` rows [L, H, D]."""
     _, bs, h, d = cache.shape
-    return cache[blocks].reshape(-1, h, d)[:length]
+    # index_select copies whole blocks; advanced indexing is several times slower on CPU.
+    return cache.index_select(0, blocks).view(-1, h, d)[:length]
 
 
-def _decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """One query per sequence: gather every context into a padded batch, mask the tail."""
-    b, hq, d = query.shape
-    _, bs, hkv, _ = k_cache.shape
-    nblk = (meta.max_seq_len + bs - 1) // bs
-    table = meta.block_tables[:, :nblk].long()
-    k = k_cache[table].reshape(b, nblk * bs, hkv, d).float()
-    v = v_cache[table].reshape(b, nblk * bs, hkv, d).float()
-    q = query.float().view(b, hkv, hq // hkv, d)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, S]
-    pad = torch.arange(nblk * bs, device=query.device)[None, :] >= meta.seq_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
-    return out.reshape(b, hq, d).to(query.dtype)
+@dataclass
+class _DecodeGroup:
+    """Decode sequences of similar length, attended as one padded batch."""
+
+    rows: torch.Tensor  # [g] int64, their query rows (= output rows)
+    blocks: torch.Tensor  # [g * nblk] int64, the first nblk block ids of each, flattened
+    length: int  # longest context of the group
+    mask: torch.Tensor | None  # [g, 1, 1, length] bool, True = attend; None if all equal
 
 
-def _extend_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """Per sequence: causal attention of the new rows over cached prefix + new rows."""
-    out = torch.empty_like(query)
-    hq, hkv = query.shape[1], k_cache.shape[2]
-    bs = k_cache.shape[1]
-    start = 0
-    for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-        if qlen == 0:
-            continue
-        blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
-        k = _gather(k_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
-        v = _gather(v_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
-        q = query[start : start + qlen].transpose(0, 1)[None]
-        if qlen == ctx:
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv
-            )
+def _decode_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], bs: int):
+    """Sort by length and cut a group where a context needs < 7/8 of the longest's blocks,
+    so padding stays small whatever the spread of lengths (one group when all are alike)."""
+    lens = meta.seq_lens_cpu
+    order = sorted(range(len(seqs)), key=lambda i: -lens[seqs[i]])
+    cuts: list[list[int]] = []
+    for i in order:
+        if cuts and -(-lens[seqs[i]] // bs) * 8 >= -(-lens[seqs[cuts[-1][0]]] // bs) * 7:
+            cuts[-1].append(i)
         else:
-            rows = torch.arange(qlen, device=query.device)[:, None] + (ctx - qlen)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
-            )
-        out[start : start + qlen] = o[0].transpose(0, 1)
-        start += qlen
+            cuts.append([i])
+    groups = []
+    for members in cuts:
+        glens = [lens[seqs[i]] for i in members]
+        nblk = -(-glens[0] // bs)
+        sel = torch.tensor(
+            [seqs[i] for i in members], dtype=torch.long, device=meta.seq_lens.device
+        )
+        blocks = meta.block_tables.index_select(0, sel)[:, :nblk].reshape(-1).long()
+        mask = None
+        if glens[-1] != glens[0]:
+            pos = torch.arange(glens[0], device=sel.device)
+            mask = (pos[None, :] < meta.seq_lens.index_select(0, sel)[:, None])[:, None, None, :]
+        row_t = torch.tensor([rows[i] for i in members], dtype=torch.long, device=sel.device)
+        groups.append(_DecodeGroup(row_t, blocks, glens[0], mask))
+    return groups
+
+
+# Every layer of a step attends with the same metadata: the first builds the groups.
+_plan: tuple[weakref.ref | None, list[_DecodeGroup]] = (None, [])
+
+
+def _cached_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], bs: int):
+    global _plan
+    ref, groups = _plan
+    if ref is None or ref() is not meta:
+        groups = _decode_groups(meta, rows, seqs, bs)
+        _plan = (weakref.ref(meta), groups)
+    return groups
+
+
+def _decode_attention(query, k_cache, v_cache, groups: list[_DecodeGroup], scale: float, out):
+    """One query per sequence, over contexts gathered block-wise, a padded batch per group."""
+    hq, d = query.shape[1], query.shape[2]
+    _, bs, hkv, _ = k_cache.shape
+    for grp in groups:
+        g = grp.rows.shape[0]
+        k = k_cache.index_select(0, grp.blocks).view(g, -1, hkv, d)[:, : grp.length]
+        v = v_cache.index_select(0, grp.blocks).view(g, -1, hkv, d)[:, : grp.length]
+        q = query.index_select(0, grp.rows)[:, :, None, :]  # [g, Hq, 1, D]
+        # SDPA reads the [g, Hkv, L, D] views through their strides: no transposed copy.
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=grp.mask, scale=scale, enable_gqa=hq != hkv,
+        )  # fmt: skip
+        out.index_copy_(0, grp.rows, o[:, :, 0])
     return out
 
 
+def _extend_one(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):
+    """Causal attention of one sequence's qlen new rows over its ctx cached rows."""
+    hq, hkv, bs = query.shape[1], k_cache.shape[2], k_cache.shape[1]
+    blocks = table_row[: (ctx + bs - 1) // bs].long()
+    k = _gather(k_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
+    v = _gather(v_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
+    q = query.transpose(0, 1)[None]
+    mask = None
+    if qlen != ctx:
+        rows = torch.arange(qlen, device=query.device)[:, None] + (ctx - qlen)
+        mask = torch.arange(ctx, device=query.device)[None, :] <= rows
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=hq != hkv
+    )
+    return o[0].transpose(0, 1)
+
+
 def attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Sequences with one new row go through the grouped decode path, the others one by one."""
+    out = torch.empty_like(query)
     if query.shape[0] == 0:
-        return torch.empty_like(query)
-    if meta.is_decode_only:
-        return _decode_attention(query, k_cache, v_cache, meta, scale)
-    return _extend_attention(query, k_cache, v_cache, meta, scale)
+        return out
+    starts = [0]
+    for q in meta.query_lens_cpu:
+        starts.append(starts[-1] + q)
+    dec = [b for b, q in enumerate(meta.query_lens_cpu) if q == 1]
+    if dec:
+        groups = _cached_groups(meta, [starts[b] for b in dec], dec, k_cache.shape[1])
+        _decode_attention(query, k_cache, v_cache, groups, scale, out)
+    if len(dec) == meta.num_seqs:
+        return out
+    for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        if qlen > 1:
+            s = starts[b]
+            out[s : s + qlen] = _extend_one(
+                query[s : s + qlen], k_cache, v_cache, meta.block_tables[b], qlen, ctx, scale
+            )
+    return out
 
 
 def rms_norm(x, weight, eps: float, residual=None):
