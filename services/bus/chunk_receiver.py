@@ -4,7 +4,10 @@ One ChunkReceiver subscribes once to its subject and reassembles any number of
 concurrent transfers, keyed by transfer id. A consumer claims a finished transfer with
 ``await receiver.receive(transfer_id, timeout_s)``; it may call before or after the
 transfer completes. Transfers that stall are dropped after ``idle_timeout_s``; finished
-ones nobody claims are dropped after ``unclaimed_ttl_s``.
+ones nobody claims are dropped after ``unclaimed_ttl_s`` (both checked by one periodic
+sweep, a quarter of the shorter limit apart, that holds no payload). Chunks are acknowledged
+cumulatively, every ``window // 2`` of them (and the last), which keeps the sender's
+credit open without an ack per chunk.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nats.aio.subscription import Subscription
 
 from protos.epd_pb import bus_pb2
-from services.bus.chunked import ReceivedTransfer
+from services.bus.chunked import INITIAL_CREDIT, ReceivedTransfer
 from services.bus.connection import Bus, Incoming
 from services.bus.errors import BusUnavailable, TransferError, TransferTimeout
+from services.bus.messages import decode
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +37,20 @@ class _Transfer:
     """Reassembly state of one transfer."""
 
     opening: bus_pb2.ChunkHeader
-    buffer: bytearray
+    # Grown chunk by chunk: a bytearray(total_bytes) would first zero-fill every page.
+    buffer: bytearray = field(default_factory=bytearray)
     next_seq: int = 0
-    timer: asyncio.TimerHandle | None = None
+    # loop.time() of the last frame; the sweep fails the transfer idle_timeout_s later.
+    active_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class _HeldAck:
+    """An opening ack not sent yet, and where it goes."""
+
+    transfer_id: str
+    reply: str
+    ack: bus_pb2.ChunkAck
 
 
 class ChunkReceiver:
@@ -51,17 +67,25 @@ class ChunkReceiver:
         idle_timeout_s: float = 10.0,
         unclaimed_ttl_s: float = 30.0,
     ) -> None:
-        """``window``: chunks a sender may have unacknowledged; bounds buffered bytes
-        to about window * max_payload per concurrent transfer."""
+        """``window``: chunks a sender may have unacknowledged (at least INITIAL_CREDIT
+        before the opening ack); bounds buffered bytes to about window * max_payload
+        per concurrent transfer."""
         if window < 1 or max_transfers < 1 or idle_timeout_s <= 0 or unclaimed_ttl_s <= 0:
             raise ValueError("window, max_transfers and timeouts must be positive")
         self._bus, self._subject = bus, subject
         self._window, self._max_total = window, max_total_bytes
+        self._ack_every = max(1, window // 2)
         self._max_transfers = max_transfers
         self._idle_s, self._ttl_s = idle_timeout_s, unclaimed_ttl_s
         self._active: dict[str, _Transfer] = {}
         self._results: dict[str, asyncio.Future[ReceivedTransfer]] = {}
+        # Expiry (loop time) of finished results nobody claimed yet, oldest first.
+        self._unclaimed: dict[str, float] = {}
+        self._sweep_s = min(idle_timeout_s, unclaimed_ttl_s) / 4
+        self._sweeper: asyncio.TimerHandle | None = None
         self._sub: Subscription | None = None
+        # The last header's credit ack, held back while the frame behind it is handled.
+        self._held: _HeldAck | None = None
 
     @property
     def active_transfers(self) -> int:
@@ -70,7 +94,8 @@ class ChunkReceiver:
 
     async def start(self) -> None:
         """Subscribe; senders get NoResponders until this is done."""
-        pending = (self._window + 2) * self._bus.max_payload * self._max_transfers
+        frames = max(self._window, INITIAL_CREDIT) + 2
+        pending = frames * self._bus.max_payload * self._max_transfers
         self._sub = await self._bus.subscribe(
             self._subject, self._on_frame, pending_bytes_limit=pending
         )
@@ -85,6 +110,9 @@ class ChunkReceiver:
                 logger.debug("chunk receiver unsubscribe failed: %r", exc)
         for tid in list(self._active):
             self._fail(tid, TransferError(f"transfer {tid}: receiver closed"))
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     async def receive(self, transfer_id: str, timeout_s: float) -> ReceivedTransfer:
         """Wait for ``transfer_id`` to complete and claim it (TransferTimeout, TransferError)."""
@@ -93,24 +121,33 @@ class ChunkReceiver:
         fut = self._future(transfer_id)
         # asyncio.wait, not wait_for: a transfer that failed with TransferTimeout (a
         # TimeoutError) must not be mistaken for this wait timing out.
-        done, _ = await asyncio.wait({fut}, timeout=timeout_s)
-        if not done:
+        if not fut.done() and not (await asyncio.wait({fut}, timeout=timeout_s))[0]:
             if transfer_id not in self._active:
                 self._results.pop(transfer_id, None)
             raise TransferTimeout(f"transfer {transfer_id}", timeout_s)
         self._results.pop(transfer_id, None)
+        self._unclaimed.pop(transfer_id, None)
         return fut.result()
 
     async def _on_frame(self, msg: Incoming) -> None:
-        frame = msg.decode(bus_pb2.ChunkFrame)
-        kind = frame.WhichOneof("frame")
-        if kind == "header":
-            await msg.respond(self._open(frame.header))
-        elif kind == "chunk":
-            ack = self._store(frame.chunk)
-            await msg.respond(ack)
-        else:
-            raise ValueError("empty chunk frame")
+        held, self._held = self._held, None
+        try:
+            frame = _read_frame(msg.data)
+            if isinstance(frame, _Piece):
+                owed = held is not None and held.transfer_id == frame.transfer_id
+                ack = self._store(frame, force_ack=owed)
+                held = None if owed else held
+            else:
+                ack = self._open(frame)
+                if ack.credit and self._sub is not None and self._sub.pending_msgs:
+                    # Frames are queued behind the header, most likely its first chunk,
+                    # whose ack will grant the same credit: one message less per transfer.
+                    self._held, ack = _HeldAck(ack.transfer_id, msg.reply, ack), None
+            if ack is not None:
+                await msg.respond(ack)
+        finally:
+            if held is not None:  # the next frame was not that chunk: a sender may wait
+                await self._bus.publish(held.reply, held.ack)
 
     def _open(self, opening: bus_pb2.ChunkHeader) -> bus_pb2.ChunkAck:
         tid = opening.transfer_id
@@ -118,16 +155,18 @@ class ChunkReceiver:
         if problem is not None:
             logger.warning("transfer %s refused: %s", tid, problem[1])
             return _error_ack(tid, *problem)
-        self._active[tid] = _Transfer(opening, bytearray(opening.total_bytes))
+        loop = asyncio.get_running_loop()
+        self._active[tid] = _Transfer(opening, active_at=loop.time())
         self._future(tid)
         if opening.chunk_count == 0:
             self._complete(tid)
             return bus_pb2.ChunkAck(transfer_id=tid, acked_seq=-1, complete=True)
-        self._touch(tid)
+        self._arm_sweeper()
         return bus_pb2.ChunkAck(transfer_id=tid, acked_seq=-1, credit=self._window)
 
     def _check_opening(self, h: bus_pb2.ChunkHeader) -> tuple[int, str] | None:
-        if not h.transfer_id or h.transfer_id in self._active or h.transfer_id in self._done():
+        claimable = self._results.get(h.transfer_id)
+        if not h.transfer_id or h.transfer_id in self._active or (claimable and claimable.done()):
             return _INVALID, "missing or duplicate transfer id"
         if len(self._active) >= self._max_transfers:
             return _REFUSED, f"{len(self._active)} transfers already in progress"
@@ -137,25 +176,27 @@ class ChunkReceiver:
             return _INVALID, f"{h.chunk_count} chunks of {h.chunk_bytes} bytes != {h.total_bytes}"
         return None
 
-    def _store(self, chunk: bus_pb2.Chunk) -> bus_pb2.ChunkAck:
-        tid = chunk.transfer_id
+    def _store(self, chunk: _Piece, force_ack: bool) -> bus_pb2.ChunkAck | None:
+        """Append one chunk; the ack to send now, or None (acks are cumulative)."""
+        tid, seq, data = chunk
         state = self._active.get(tid)
         if state is None:
             return _error_ack(tid, _INVALID, "unknown or expired transfer")
         o = state.opening
-        offset = chunk.seq * o.chunk_bytes
-        expected = min(o.chunk_bytes, o.total_bytes - offset)
-        if chunk.seq != state.next_seq or len(chunk.data) != expected:
-            error = f"got chunk {chunk.seq} of {len(chunk.data)} bytes, expected {state.next_seq}"
+        expected = min(o.chunk_bytes, o.total_bytes - seq * o.chunk_bytes)
+        if seq != state.next_seq or len(data) != expected:
+            error = f"got chunk {seq} of {len(data)} bytes, expected {state.next_seq}"
             self._fail(tid, TransferError(f"transfer {tid}: {error}"))
             return _error_ack(tid, _INVALID, error)
-        state.buffer[offset : offset + expected] = chunk.data
+        state.buffer += data
         state.next_seq += 1
         if state.next_seq == o.chunk_count:
             self._complete(tid)
-            return bus_pb2.ChunkAck(transfer_id=tid, acked_seq=chunk.seq, complete=True)
-        self._touch(tid)
-        return bus_pb2.ChunkAck(transfer_id=tid, acked_seq=chunk.seq, credit=self._window)
+            return bus_pb2.ChunkAck(transfer_id=tid, acked_seq=seq, complete=True)
+        state.active_at = asyncio.get_running_loop().time()
+        if state.next_seq % self._ack_every and not force_ack:
+            return None
+        return bus_pb2.ChunkAck(transfer_id=tid, acked_seq=seq, credit=self._window)
 
     def _future(self, tid: str) -> asyncio.Future[ReceivedTransfer]:
         fut = self._results.get(tid)
@@ -164,41 +205,98 @@ class ChunkReceiver:
             self._results[tid] = fut
         return fut
 
-    def _done(self) -> set[str]:
-        return {tid for tid, fut in self._results.items() if fut.done()}
-
-    def _touch(self, tid: str) -> None:
-        state = self._active[tid]
-        if state.timer is not None:
-            state.timer.cancel()
-        loop = asyncio.get_running_loop()
-        error = TransferTimeout(f"transfer {tid} idle", self._idle_s)
-        state.timer = loop.call_later(self._idle_s, self._fail, tid, error)
-
     def _complete(self, tid: str) -> None:
         state = self._active.pop(tid)
-        if state.timer is not None:
-            state.timer.cancel()
         fut = self._future(tid)
         if not fut.done():
             fut.set_result(ReceivedTransfer(tid, state.opening.header, state.buffer))
-        asyncio.get_running_loop().call_later(self._ttl_s, self._expire, tid, fut)
+        self._keep_unclaimed(tid)
 
     def _fail(self, tid: str, error: Exception) -> None:
-        state = self._active.pop(tid, None)
-        if state is not None and state.timer is not None:
-            state.timer.cancel()
+        self._active.pop(tid, None)
         logger.warning("transfer %s dropped: %s", tid, error)
         fut = self._future(tid)
         if not fut.done():
             fut.set_exception(error)
             fut.exception()  # retrieved: nobody may be waiting for it
-        asyncio.get_running_loop().call_later(self._ttl_s, self._expire, tid, fut)
+        self._keep_unclaimed(tid)
 
-    def _expire(self, tid: str, fut: asyncio.Future[ReceivedTransfer]) -> None:
-        if self._results.get(tid) is fut:
-            del self._results[tid]
-            logger.info("transfer %s was never claimed; dropped", tid)
+    def _keep_unclaimed(self, tid: str) -> None:
+        self._unclaimed[tid] = asyncio.get_running_loop().time() + self._ttl_s
+        self._arm_sweeper()
+
+    def _arm_sweeper(self) -> None:
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(self._sweep_s, self._sweep)
+
+    def _sweep(self) -> None:
+        """Fail stalled transfers; drop results unclaimed for unclaimed_ttl_s."""
+        self._sweeper = None
+        now = asyncio.get_running_loop().time()
+        for tid in [t for t, s in self._active.items() if now - s.active_at >= self._idle_s]:
+            self._fail(tid, TransferTimeout(f"transfer {tid} idle", self._idle_s))
+        for tid, due in list(self._unclaimed.items()):
+            if due > now:
+                break  # insertion order is expiry order: the ttl is the same for all
+            del self._unclaimed[tid]
+            if self._results.pop(tid, None) is not None:
+                logger.info("transfer %s was never claimed; dropped", tid)
+        if self._active or self._unclaimed:
+            self._arm_sweeper()
+
+
+class _Piece(NamedTuple):
+    """One received chunk."""
+
+    transfer_id: str
+    seq: int
+    data: bytes | memoryview
+
+
+def _read_frame(data: bytes) -> bus_pb2.ChunkHeader | _Piece:
+    """Parse a ChunkFrame (MessageDecodeError, ValueError when it is not one)."""
+    piece = _canonical_chunk(data)
+    if piece is not None:
+        return piece
+    frame = decode(data, bus_pb2.ChunkFrame)
+    kind = frame.WhichOneof("frame")
+    if kind == "header":
+        return frame.header
+    if kind == "chunk":
+        return _Piece(frame.chunk.transfer_id, frame.chunk.seq, frame.chunk.data)
+    raise ValueError("empty chunk frame")
+
+
+def _canonical_chunk(data: bytes) -> _Piece | None:
+    """A chunk frame laid out exactly as chunked.chunk_frame writes it, read without
+    copying its data (protobuf would copy it twice); None for any other layout."""
+    try:
+        size, pos = _varint_at(data, 1)
+        if data[0] != 0x12 or pos + size != len(data) or data[pos] != 0x0A:
+            return None
+        size, pos = _varint_at(data, pos + 1)
+        tid, pos, seq = data[pos : pos + size].decode(), pos + size, 0
+        if data[pos] == 0x10:
+            seq, pos = _varint_at(data, pos + 1)
+        if data[pos] != 0x1A or seq >= 1 << 31:
+            return None
+        size, pos = _varint_at(data, pos + 1)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return _Piece(tid, seq, memoryview(data)[pos:]) if pos + size == len(data) else None
+
+
+def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint starting at ``pos`` and the position after it (IndexError if cut)."""
+    value = shift = 0
+    while shift < 64:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+    raise IndexError("varint longer than 10 bytes")
 
 
 def _error_ack(tid: str, code: int, message: str) -> bus_pb2.ChunkAck:

@@ -1,18 +1,22 @@
 """Chunked transfers on a server with a 64 KiB max_payload: large payloads arrive intact
 through a deliberately slow receiver, flow control bounds what is in flight, and a
-stalled or refusing peer fails with a clear error instead of a hang."""
+stalled or refusing peer fails with a clear error instead of a hang. The fast path
+(pipelined opening, cumulative acks, one reply inbox per bus) and the release of claimed
+payloads are checked on the wire."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
+import weakref
 
 import pytest
 
 from protos.epd_pb import bus_pb2
 from services.bus.chunk_receiver import ChunkReceiver
-from services.bus.chunked import NatsChunkSender, send_chunked
+from services.bus.chunked import INITIAL_CREDIT, NatsChunkSender, send_chunked
 from services.bus.connection import Bus, Incoming
 from services.bus.errors import NoResponders, TransferError, TransferTimeout
 from services.localstack import ServerProcess
@@ -150,3 +154,83 @@ async def test_out_of_order_chunk_fails_the_transfer(
     assert ack.HasField("error") and "expected 0" in ack.error.message
     with pytest.raises(TransferError, match="expected 0"):
         await receiver.receive("o", timeout_s=1)
+
+
+async def test_header_and_first_chunks_go_out_before_any_ack(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    frames: list[str] = []
+    all_in = asyncio.Event()
+
+    async def never_answer(msg: Incoming) -> None:
+        frames.append(msg.decode(bus_pb2.ChunkFrame).WhichOneof("frame"))
+        if len(frames) == 1 + INITIAL_CREDIT:
+            all_in.set()
+
+    await recv_bus.subscribe(SUBJECT, never_answer)
+    await recv_bus.flush()
+    send = asyncio.create_task(
+        send_chunked(sender, SUBJECT, b"", os.urandom(5 * SMALL_MAX_PAYLOAD), timeout_s=5)
+    )
+    await asyncio.wait_for(all_in.wait(), timeout=5)
+    assert frames == ["header"] + ["chunk"] * INITIAL_CREDIT
+    send.cancel()
+
+
+async def test_acks_are_cumulative_and_share_one_inbox(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus)
+    sniffer = await bus_factory(nats_small, name="sniffer")
+    replies: list[str] = []
+
+    async def count(msg) -> None:
+        replies.append(msg.subject)
+
+    await sniffer.client.subscribe("_INBOX.>", cb=count)
+    await sniffer.flush()
+    stats = [
+        await send_chunked(
+            sender, SUBJECT, b"", os.urandom(8 * SMALL_MAX_PAYLOAD), timeout_s=5, transfer_id=tid
+        )
+        for tid in ("a", "b")
+    ]
+    await sniffer.flush()
+    for tid in ("a", "b"):
+        await receiver.receive(tid, timeout_s=1)
+    chunks = stats[0].chunk_count
+    # One ack per WINDOW // 2 chunks (the header's rides on the first chunk's), all to
+    # subjects under one inbox: no subscription per transfer.
+    assert chunks >= 8 and len(replies) <= 2 * (chunks // (WINDOW // 2) + 2)
+    assert len({subject.rpartition(".")[0] for subject in replies}) == 1
+
+
+async def test_claimed_payload_is_released_before_the_ttl(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus, unclaimed_ttl_s=60)
+    payload = os.urandom(3 * SMALL_MAX_PAYLOAD)
+    waiting = asyncio.create_task(receiver.receive("early", timeout_s=5))
+    await send_chunked(sender, SUBJECT, b"", payload, timeout_s=5, transfer_id="early")
+    await send_chunked(sender, SUBJECT, b"", payload, timeout_s=5, transfer_id="late")
+    claimed = [await waiting, await receiver.receive("late", timeout_s=1)]
+    assert all(got.payload == payload for got in claimed)
+    refs = [weakref.ref(got) for got in claimed]
+    del claimed, waiting
+    gc.collect()
+    # Nothing in the receiver (timers included) keeps a claimed payload for 60 s.
+    assert [ref() for ref in refs] == [None, None]
+
+
+async def test_unclaimed_transfer_expires(
+    bus_factory: BusFactory, nats_small: ServerProcess
+) -> None:
+    sender, recv_bus = await _pair(bus_factory, nats_small)
+    receiver = await _receiver(recv_bus, unclaimed_ttl_s=0.2)
+    await send_chunked(sender, SUBJECT, b"", b"x" * 100, timeout_s=5, transfer_id="u")
+    await asyncio.sleep(0.5)  # the time being tested, not a synchronisation
+    with pytest.raises(TransferTimeout):
+        await receiver.receive("u", timeout_s=0.05)
