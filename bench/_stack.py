@@ -55,8 +55,7 @@ class Fleet:
         grpc_port = free_port(HOST)
         argv = [sys.executable, "-m", "services.cli", "--log-level", log_level, "serve", role,
                 "--model", "demo", "--nats-url", self.nats.url, "--redis-url", self.redis.url,
-                "--instance-id", instance, "--grpc-port", str(grpc_port),
-                "--http-port", str(free_port(HOST))]  # fmt: skip
+                "--instance-id", instance, "--grpc-port", str(grpc_port)]  # fmt: skip
         # EPD_HOST: the gateway listens on the loopback interface only.
         env = dict(os.environ, EPD_HOST=HOST, PYTHONUNBUFFERED="1")
         log = self.logdir / f"{instance}.log"

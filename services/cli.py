@@ -30,7 +30,6 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=None)
     g.add_argument("--instance-id", default=None)
     g.add_argument("--grpc-port", type=int, default=None)
-    g.add_argument("--http-port", type=int, default=None)
 
 
 def engine_config(args):
@@ -44,7 +43,7 @@ def engine_config(args):
 def service_config(args):
     from services.config import ServiceConfig
 
-    keys = ("nats_url", "redis_url", "instance_id", "grpc_port", "http_port")
+    keys = ("nats_url", "redis_url", "instance_id", "grpc_port")
     return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 

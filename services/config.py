@@ -122,9 +122,8 @@ class ServiceConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Unique per process; defaults to <role>-<random>.
     instance_id: str = ""
-    # Gateway ports.
+    # Gateway gRPC port (0: any free port).
     grpc_port: int = 50051
-    http_port: int = 8000
     host: str = "0.0.0.0"
     # Seconds a whole request may take end to end (the deadline every hop carries).
     request_timeout_s: float = 300.0
@@ -149,8 +148,8 @@ class ServiceConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         # Port 0 asks the OS for a free port (tests).
-        if not 0 <= self.grpc_port < 65536 or not 0 <= self.http_port < 65536:
-            raise ValueError("ports must be in 0..65535")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError("grpc_port must be in 0..65535")
         if self.embedding_ttl_s <= 0 or self.encode_batch_window_ms < 0:
             raise ValueError("embedding_ttl_s must be > 0 and encode_batch_window_ms >= 0")
 

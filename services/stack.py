@@ -36,7 +36,7 @@ def _env(engine: EngineConfig) -> dict[str, str]:
 def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict) -> subprocess.Popen:
     argv = [sys.executable, "-m", "services.cli", "serve", role, "--nats-url", cfg.nats_url,
             "--redis-url", cfg.redis_url, "--instance-id", instance,
-            "--grpc-port", str(cfg.grpc_port), "--http-port", str(cfg.http_port)]  # fmt: skip
+            "--grpc-port", str(cfg.grpc_port)]  # fmt: skip
     return subprocess.Popen(argv, env=env)
 
 

@@ -38,7 +38,7 @@ class Stack:
 
 
 def service_config(nats_url: str, redis_url: str, name: str) -> ServiceConfig:
-    return ServiceConfig(nats_url=nats_url, redis_url=redis_url, instance_id=name, grpc_port=0, http_port=0,
+    return ServiceConfig(nats_url=nats_url, redis_url=redis_url, instance_id=name, grpc_port=0,
                          heartbeat_s=0.2, instance_ttl_s=1.0, bus_timeout_s=10.0,
                          stall_timeout_s=10.0, request_timeout_s=60.0, shutdown_grace_s=2.0)  # fmt: skip
 
