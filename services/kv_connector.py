@@ -77,5 +77,8 @@ class NatsKVReceiver:
         ) != self.expected:
             raise ValueError(f"KV layout {lay} does not match this instance's {self.expected}")
         shape = [2, layers, None, block, heads, dim]
-        kv = tensor_from_bytes(got.payload, lay.dtype, list(lay.shape), expected_shape=shape)
+        # The payload is private to this transfer (claimed once): no copy needed.
+        kv = tensor_from_bytes(
+            got.payload, lay.dtype, list(lay.shape), expected_shape=shape, take_ownership=True
+        )
         return header, kv

@@ -4,7 +4,8 @@
 - ``connection``: ``Bus``, one NATS connection per process (request/publish/subscribe).
 - ``handlers``: ``Incoming`` messages and the crash-proof handler runner.
 - ``messages`` / ``codec``: protobuf encode/decode; validated tensors (codec imports torch).
-- ``chunked`` / ``chunk_receiver``: flow-controlled transfer of payloads > max_payload.
+- ``chunked`` / ``chunk_receiver``: flow-controlled transfer of payloads > max_payload
+  (``chunk_wire``: frame layout; ``chunk_inbox``: the per-bus ack inbox).
 - ``heartbeat``: load heartbeats and the ``InstanceRegistry`` that routers read.
 - ``deadline``, ``errors``: unix-ms deadlines; the ``BusError`` family.
 

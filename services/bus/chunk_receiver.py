@@ -1,4 +1,4 @@
-"""Receiving side of chunked transfers (protocol in chunked.py).
+"""Receiving side of chunked transfers (protocol in chunked.py, frames in chunk_wire.py).
 
 One ChunkReceiver subscribes once to its subject and reassembles any number of
 concurrent transfers, keyed by transfer id. A consumer claims a finished transfer with
@@ -16,15 +16,14 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from nats.aio.subscription import Subscription
 
 from protos.epd_pb import bus_pb2
-from services.bus.chunked import INITIAL_CREDIT, ReceivedTransfer
+from services.bus.chunk_wire import INITIAL_CREDIT, Piece, read_frame
+from services.bus.chunked import ReceivedTransfer
 from services.bus.connection import Bus, Incoming
 from services.bus.errors import BusUnavailable, TransferError, TransferTimeout
-from services.bus.messages import decode
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +131,8 @@ class ChunkReceiver:
     async def _on_frame(self, msg: Incoming) -> None:
         held, self._held = self._held, None
         try:
-            frame = _read_frame(msg.data)
-            if isinstance(frame, _Piece):
+            frame = read_frame(msg.data)
+            if isinstance(frame, Piece):
                 owed = held is not None and held.transfer_id == frame.transfer_id
                 ack = self._store(frame, force_ack=owed)
                 held = None if owed else held
@@ -176,7 +175,7 @@ class ChunkReceiver:
             return _INVALID, f"{h.chunk_count} chunks of {h.chunk_bytes} bytes != {h.total_bytes}"
         return None
 
-    def _store(self, chunk: _Piece, force_ack: bool) -> bus_pb2.ChunkAck | None:
+    def _store(self, chunk: Piece, force_ack: bool) -> bus_pb2.ChunkAck | None:
         """Append one chunk; the ack to send now, or None (acks are cumulative)."""
         tid, seq, data = chunk
         state = self._active.get(tid)
@@ -244,59 +243,6 @@ class ChunkReceiver:
                 logger.info("transfer %s was never claimed; dropped", tid)
         if self._active or self._unclaimed:
             self._arm_sweeper()
-
-
-class _Piece(NamedTuple):
-    """One received chunk."""
-
-    transfer_id: str
-    seq: int
-    data: bytes | memoryview
-
-
-def _read_frame(data: bytes) -> bus_pb2.ChunkHeader | _Piece:
-    """Parse a ChunkFrame (MessageDecodeError, ValueError when it is not one)."""
-    piece = _canonical_chunk(data)
-    if piece is not None:
-        return piece
-    frame = decode(data, bus_pb2.ChunkFrame)
-    kind = frame.WhichOneof("frame")
-    if kind == "header":
-        return frame.header
-    if kind == "chunk":
-        return _Piece(frame.chunk.transfer_id, frame.chunk.seq, frame.chunk.data)
-    raise ValueError("empty chunk frame")
-
-
-def _canonical_chunk(data: bytes) -> _Piece | None:
-    """A chunk frame laid out exactly as chunked.chunk_frame writes it, read without
-    copying its data (protobuf would copy it twice); None for any other layout."""
-    try:
-        size, pos = _varint_at(data, 1)
-        if data[0] != 0x12 or pos + size != len(data) or data[pos] != 0x0A:
-            return None
-        size, pos = _varint_at(data, pos + 1)
-        tid, pos, seq = data[pos : pos + size].decode(), pos + size, 0
-        if data[pos] == 0x10:
-            seq, pos = _varint_at(data, pos + 1)
-        if data[pos] != 0x1A or seq >= 1 << 31:
-            return None
-        size, pos = _varint_at(data, pos + 1)
-    except (IndexError, UnicodeDecodeError):
-        return None
-    return _Piece(tid, seq, memoryview(data)[pos:]) if pos + size == len(data) else None
-
-
-def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
-    """The varint starting at ``pos`` and the position after it (IndexError if cut)."""
-    value = shift = 0
-    while shift < 64:
-        byte = data[pos]
-        value |= (byte & 0x7F) << shift
-        pos, shift = pos + 1, shift + 7
-        if byte < 0x80:
-            return value, pos
-    raise IndexError("varint longer than 10 bytes")
 
 
 def _error_ack(tid: str, code: int, message: str) -> bus_pb2.ChunkAck:

@@ -108,10 +108,13 @@ def tensor_from_bytes(
     *,
     expected_dtype: torch.dtype | str | None = None,
     expected_shape: Sequence[int | None] | None = None,
+    take_ownership: bool = False,
 ) -> torch.Tensor:
     """Build a CPU tensor from raw bytes after validating dtype, shape and length.
 
     ``expected_shape`` may hold None for dimensions that can take any size.
+    ``take_ownership``: ``data`` is a bytearray nobody else uses, so the tensor may share
+    its memory instead of copying it (other types are copied regardless).
     Raises ValueError on any mismatch.
     """
     if dtype not in DTYPES:
@@ -128,8 +131,10 @@ def tensor_from_bytes(
         )
     if numel == 0:
         return torch.empty(dims, dtype=torch_dtype)
-    # bytearray: a private writable copy that the tensor then owns.
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # The tensor needs writable memory it owns: the caller's bytearray when handed over
+    # (a received payload can be large), else a private bytearray copy.
+    owned = data if take_ownership and isinstance(data, bytearray) else bytearray(data)
+    raw = torch.frombuffer(owned, dtype=torch.uint8)
     return raw.view(torch_dtype).reshape(dims)
 
 

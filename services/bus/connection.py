@@ -99,6 +99,11 @@ class Bus:
         return cls(nc, config)
 
     @property
+    def config(self) -> BusConfig:
+        """The configuration this bus was connected with (read-only)."""
+        return self._config
+
+    @property
     def max_payload(self) -> int:
         """Largest message the server accepts, in bytes."""
         return self._nc.max_payload

@@ -9,8 +9,11 @@ import os
 import pytest
 
 from protos.epd_pb import bus_pb2
-from services.bus.chunk_receiver import _canonical_chunk, _read_frame
-from services.bus.chunked import _field_bytes, _opening, chunk_frame
+from services.bus.chunk_wire import canonical_chunk as _canonical_chunk
+from services.bus.chunk_wire import chunk_frame
+from services.bus.chunk_wire import field_bytes as _field_bytes
+from services.bus.chunk_wire import opening_header as _opening
+from services.bus.chunk_wire import read_frame as _read_frame
 
 
 def _generated(tid: str, seq: int, data: bytes) -> bytes:

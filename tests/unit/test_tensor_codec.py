@@ -11,7 +11,9 @@ from services.bus.codec import (
     MessageDecodeError,
     decode,
     encode,
+    tensor_from_bytes,
     tensor_from_proto,
+    tensor_to_bytes,
     tensor_to_proto,
 )
 
@@ -50,6 +52,19 @@ def test_decoded_tensor_owns_writable_memory() -> None:
     back = tensor_from_proto(msg)
     back += 1  # must not touch the message's immutable bytes
     assert torch.equal(tensor_from_proto(msg), torch.arange(4, dtype=torch.float32))
+
+
+def test_take_ownership_shares_a_bytearray_and_the_default_copies() -> None:
+    data = bytearray(tensor_to_bytes(torch.arange(4, dtype=torch.int32))[0])
+    owned = tensor_from_bytes(data, "int32", [4], take_ownership=True)
+    copied = tensor_from_bytes(data, "int32", [4])
+    data[:4] = b"\x07\x00\x00\x00"  # the caller's buffer changes after decoding
+    assert owned.tolist() == [7, 1, 2, 3]  # shares the bytearray's memory
+    assert copied.tolist() == [0, 1, 2, 3]  # a private copy
+    frozen = bytes(data)  # immutable: copied even when ownership is offered
+    writable = tensor_from_bytes(frozen, "int32", [4], take_ownership=True)
+    writable += 1
+    assert frozen == bytes(data) and writable.tolist() == [8, 2, 3, 4]
 
 
 def _msg(data: bytes, dtype: str, shape: list[int]) -> bus_pb2.Tensor:
