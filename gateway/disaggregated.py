@@ -42,7 +42,7 @@ class DisaggregatedBackend:
 
     async def start(self) -> None:
         self.info = ModelInfo.load(self.engine_config)
-        self.eos = _eos_ids(self.info)
+        self.eos = list(self.info.eos_token_ids())
         self.bus = await connect_bus(self.config, self.gateway_id)
         self.registry = InstanceRegistry(self.bus, [subjects.ROLE_ENCODE, subjects.ROLE_PREFILL,
                                                     subjects.ROLE_DECODE],
@@ -155,15 +155,3 @@ class DisaggregatedBackend:
             )
         except BusError as e:
             log.warning("abort of %s not sent: %s", request_id, e)
-
-
-def _eos_ids(info: ModelInfo) -> list[int]:
-    import json
-
-    gen = info.model_dir / "generation_config.json"
-    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
-    if eos is None:
-        eos = getattr(info.text_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [int(eos)]

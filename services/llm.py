@@ -26,10 +26,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults."""
-        import json
-
-        path = self.engine.loaded.model_dir / "generation_config.json"
-        gen = json.loads(path.read_text()) if path.exists() else {}
+        gen = self.engine.loaded.info.generation_config
         keys = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
         values = {k: gen[k] for k in keys if gen.get(k) is not None}
         if gen.get("do_sample") is False:

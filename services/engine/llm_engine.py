@@ -28,22 +28,6 @@ from services.tokenization import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def _eos_ids(lm: LoadedModel, tokenizer) -> tuple[int, ...]:
-    gen = lm.model_dir / "generation_config.json"
-    eos = None
-    if gen.exists():
-        import json
-
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = getattr(lm.text_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
 class LLMEngine:
     """Owns model, KV pool, scheduler and per-request output state (one thread)."""
 
@@ -55,7 +39,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(lm.model_dir)
         self.multimodal = is_multimodal(lm.model)
         self.image_preprocessor = ImagePreprocessor(lm.model_dir) if self.multimodal else None
-        self.eos_token_ids = _eos_ids(lm, self.tokenizer)
+        self.eos_token_ids = lm.info.eos_token_ids(self.tokenizer.eos_token_id)
         self.max_model_len = lm.max_model_len
         self.kv = self._make_kv_pool(lm)
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size,

@@ -70,6 +70,24 @@ class ModelInfo:
     def vision(self) -> bool:
         return self.image_token_id is not None
 
+    @property
+    def generation_config(self) -> dict:
+        """The checkpoint's ``generation_config.json`` (empty when there is none)."""
+        path = self.model_dir / "generation_config.json"
+        return read_json(path) if path.exists() else {}
+
+    def eos_token_ids(self, tokenizer_eos: int | None = None) -> tuple[int, ...]:
+        """What ends generation, as transformers decides: generation config, then the
+        model config, then the tokenizer."""
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            eos = getattr(self.text_config, "eos_token_id", None)
+        if eos is None:
+            eos = tokenizer_eos
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
     @classmethod
     def load(cls, config: EngineConfig) -> ModelInfo:
         from transformers import AutoConfig
