@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.events import TokenEvent, event_from_output
+from gateway.events import BackendError, TokenEvent, event_from_output
 from gateway.prepare import PreparedRequest
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, EngineDeadError
 
 
 class AggregatedBackend:
@@ -25,10 +25,13 @@ class AggregatedBackend:
         prompt = {"prompt_token_ids": prep.prompt_token_ids, "images": prep.images}
         sent = 0
         n = prep.params.logprobs or 0
-        async for out in self.engine.generate(prep.request_id, prompt, prep.params):
-            event = event_from_output(out, sent, n)
-            sent += len(event.token_ids)
-            yield event
+        try:
+            async for out in self.engine.generate(prep.request_id, prompt, prep.params):
+                event = event_from_output(out, sent, n)
+                sent += len(event.token_ids)
+                yield event
+        except EngineDeadError as e:
+            raise BackendError("UNAVAILABLE", str(e)) from e
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

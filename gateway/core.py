@@ -6,7 +6,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from gateway.events import TokenEvent
+from gateway.events import BackendError, TokenEvent
 from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.stream import Delta, OutputStream
 
@@ -42,6 +42,8 @@ class GatewayCore:
                     yield delta, stream
                 if stream.finished:
                     return
+            # Accepted work is never lost silently: the client learns it did not finish.
+            raise BackendError("UNAVAILABLE", "the workers stopped before the request finished")
         finally:
             await events.aclose()
             if not stream.finished or stream.stopped:

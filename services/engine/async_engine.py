@@ -123,6 +123,8 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"engine failed: {e}"))
         finally:
             self._stopping = True
+            # Streams still open will get no more outputs: tell them instead of hanging.
+            self._fail_all(EngineDeadError("the engine stopped before the request finished"))
 
     def _drain(self, block: bool) -> bool:
         """Run pending commands; False when asked to stop."""

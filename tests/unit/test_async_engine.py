@@ -78,6 +78,21 @@ async def test_abort_mid_stream_frees_blocks(ckpt):
         await eng.shutdown()
 
 
+async def test_shutdown_mid_stream_fails_the_stream_instead_of_hanging(ckpt):
+    from services.engine.async_engine import EngineDeadError
+
+    eng = AsyncEngine(_engine(ckpt))
+    eng.start()
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    agen = eng.generate("long", {"prompt_token_ids": PROMPTS[1]}, params)
+    await agen.__anext__()
+    await eng.shutdown()
+    with pytest.raises(EngineDeadError):
+        async with asyncio.timeout(10):
+            async for _ in agen:
+                pass
+
+
 def test_prefill_export_then_decode_import_matches_aggregated(ckpt):
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
     ref = _reference(ckpt, params)
