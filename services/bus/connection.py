@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.bus.client_options import connect_options
 from services.bus.errors import (
     BusError,
     BusTimeout,
@@ -88,7 +89,7 @@ class Bus:
         nc = Client()
         try:
             await asyncio.wait_for(
-                nc.connect(**_connect_options(config, nc)), timeout=config.connect_timeout_s
+                nc.connect(**connect_options(config, nc)), timeout=config.connect_timeout_s
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
@@ -252,32 +253,6 @@ class Bus:
     def _check_open(self) -> None:
         if self._closed:
             raise BusUnavailable("bus is closed")
-
-
-def _connect_options(config: BusConfig, nc: Client) -> dict[str, object]:
-    async def on_error(exc: Exception) -> None:
-        logger.warning("nats error name=%s: %r", config.name, exc)
-
-    async def on_disconnect() -> None:
-        if not (nc.is_closed or nc.is_draining):
-            logger.warning("nats disconnected name=%s", config.name)
-
-    async def on_reconnect() -> None:
-        logger.info("nats reconnected name=%s", config.name)
-
-    return {
-        "servers": list(config.servers),
-        "name": config.name,
-        "connect_timeout": config.connect_timeout_s,
-        "reconnect_time_wait": config.reconnect_wait_s,
-        "max_reconnect_attempts": config.max_reconnect_attempts,
-        "ping_interval": config.ping_interval_s,
-        "drain_timeout": config.drain_timeout_s,
-        "allow_reconnect": True,
-        "error_cb": on_error,
-        "disconnected_cb": on_disconnect,
-        "reconnected_cb": on_reconnect,
-    }
 
 
 async def _drain_sub(sub: Subscription) -> None:
