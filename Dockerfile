@@ -5,6 +5,11 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 EPD_DEMO_DIR=/models/demo
 WORKDIR /app
 
+# A C compiler: the CPU backend builds its native kernels on first use (without one,
+# the slower torch backend serves).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, pinned: a looser spec would pull whatever build the index prefers.
 ARG TORCH_SPEC="torch==2.13.0"
 RUN pip install "$TORCH_SPEC"

@@ -21,7 +21,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-mb", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--attention-backend", default=None, help="auto | torch | triton")
+    g.add_argument("--attention-backend", default=None, help="auto | cpu | torch | triton")
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:

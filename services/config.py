@@ -75,8 +75,13 @@ class EngineConfig:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton".
+    # "auto" (Triton on CUDA; on CPU the native kernels when a C compiler can build them,
+    # else torch), "cpu", "torch" or "triton".
     attention_backend: str = "auto"
+    # Where the native CPU kernels are compiled on first use.
+    kernel_cache_dir: str = field(
+        default_factory=lambda: os.path.expanduser("~/.cache/epd-serve/kernels")
+    )
     # Seed for dummy weights and for requests that bring no seed of their own.
     seed: int = 0
 
@@ -101,9 +106,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                "attention_backend must be auto, cpu, torch or triton, "
+                f"got {self.attention_backend!r}"
             )
 
     @classmethod

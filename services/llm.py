@@ -44,7 +44,7 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, sp)
+                self.engine.add_request(rid, prompt, sp, final_only=True)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -33,7 +33,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.backend = get_backend(config.attention_backend, resolve_device(config.device))
+        self.backend = get_backend(config.attention_backend, resolve_device(config.device),
+                                   config.kernel_cache_dir)  # fmt: skip
         self.loaded = lm = load_model(config, self.backend)
         self.model = lm.model
         self.tokenizer = load_tokenizer(lm.model_dir)
@@ -68,8 +69,11 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     image_embeds: list[torch.Tensor] | None = None,
-                    add_special_tokens: bool = True, export_kv: bool = False) -> Request:  # fmt: skip
+                    add_special_tokens: bool = True, export_kv: bool = False,
+                    final_only: bool = False) -> Request:  # fmt: skip
         """Validate and queue a request; raises ValueError naming the problem.
+
+        ``final_only``: ``step`` returns this request's output once, when it finishes.
 
         ``export_kv`` is the prefill role: the request stops after its first token and
         its output carries the prompt's KV blocks for a decode instance.
@@ -88,7 +92,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.runner.add_request(req, seed, embeds)
         self.states[request_id] = RequestState(request_id, p.prompt, p.token_ids, params,
-                                               self.tokenizer)  # fmt: skip
+                                               self.tokenizer, final_only)  # fmt: skip
         if export_kv:
             self._exports.add(request_id)
         return req
@@ -200,7 +204,7 @@ class LLMEngine:
             if req is not None:  # handed off to a decode instance: done here
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 touched[rid].handed_off = True
-        outputs = [s.make_output() for s in touched.values()]
+        outputs = [s.make_output() for s in touched.values() if s.wants_output()]
         for out in outputs:
             out.kv_blocks = exported.get(out.request_id)
         for out in outputs:

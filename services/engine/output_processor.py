@@ -10,8 +10,13 @@ from services.tokenization import IncrementalDetokenizer
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt, prompt_ids, params: SamplingParams, tokenizer):
+    def __init__(self, request_id: str, prompt, prompt_ids, params: SamplingParams, tokenizer,
+                 final_only: bool = False):  # fmt: skip
         self.request_id = request_id
+        # Only the finished output is wanted (offline ``LLM.generate``): no per-step outputs,
+        # and without stop strings the text is decoded once at the end.
+        self.final_only = final_only
+        self.lazy_text = final_only and not params.stop
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
@@ -39,7 +44,7 @@ class RequestState:
         if lp is not None and self.logprobs is not None:
             self.logprobs.append(self._logprob_dict(lp))
             self.cum_logprob += lp.logprob
-        if self.detok is None:
+        if self.detok is None or self.lazy_text:
             return None
         old = len(self.text)
         self.text += self.detok.add([token])
@@ -69,6 +74,12 @@ class RequestState:
     def finish(self, reason: str, stop_reason=None) -> None:
         if self.finish_reason is None:
             self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.lazy_text and self.detok is not None:
+            self.text += self.detok.add(self.token_ids)
+            self.lazy_text = False
+
+    def wants_output(self) -> bool:
+        return not self.final_only or self.finish_reason is not None or self.handed_off
 
     def make_output(self) -> RequestOutput:
         done = self.finish_reason is not None or self.handed_off

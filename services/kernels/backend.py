@@ -60,11 +60,39 @@ class Backend(Protocol):
     def sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """logits [B, V] fp32 (penalties applied) -> sampled token ids [B] int64."""
 
+    def linear(
+        self,
+        x: torch.Tensor,  # [T, K]
+        weight: torch.Tensor,  # [N, K], any strides
+        bias: torch.Tensor | None = None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        """x @ weight.T + bias, as ``F.linear``."""
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """``auto`` picks Triton on CUDA and torch elsewhere."""
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = (gate | up) -> silu(gate) * up [T, I]."""
+
+
+def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "") -> Backend:
+    """``auto`` picks Triton on CUDA, else the native CPU kernels when they build here, else
+    torch; ``cpu`` insists on the native kernels."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+        if name == "cpu":
+            from services.kernels.cpu_backend import CpuBackend
+
+            backend = CpuBackend.create(kernel_cache_dir)
+            if backend is not None:
+                return backend
+            name = "torch"
+    if name == "cpu":
+        from services.kernels.cpu_backend import CpuBackend
+
+        if device.type != "cpu":
+            raise ValueError("attention backend 'cpu' serves only device cpu")
+        backend = CpuBackend.create(kernel_cache_dir)
+        if backend is None:
+            raise ValueError("attention backend 'cpu' is unavailable: its kernels did not build")
+        return backend
     if name == "torch":
         from services.kernels.torch_backend import TorchBackend
 
@@ -75,4 +103,4 @@ def get_backend(name: str, device: torch.device) -> Backend:
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ValueError(f"attention backend 'triton' is unavailable: {e}") from e
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or triton)")
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, cpu, torch or triton)")

@@ -126,26 +126,36 @@ def _extend_one(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: 
     return o[0].transpose(0, 1)
 
 
-def attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Sequences with one new row go through the grouped decode path, the others one by one."""
-    out = torch.empty_like(query)
-    if query.shape[0] == 0:
-        return out
+def query_starts(meta: AttentionMetadata) -> list[int]:
+    """First query row of every sequence, plus the total."""
     starts = [0]
     for q in meta.query_lens_cpu:
         starts.append(starts[-1] + q)
-    dec = [b for b, q in enumerate(meta.query_lens_cpu) if q == 1]
-    if dec:
-        groups = _cached_groups(meta, [starts[b] for b in dec], dec, k_cache.shape[1])
-        _decode_attention(query, k_cache, v_cache, groups, scale, out)
-    if len(dec) == meta.num_seqs:
-        return out
+    return starts
+
+
+def extend_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, starts):
+    """Attention of every sequence with more than one new row, one by one, into out."""
     for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         if qlen > 1:
             s = starts[b]
             out[s : s + qlen] = _extend_one(
                 query[s : s + qlen], k_cache, v_cache, meta.block_tables[b], qlen, ctx, scale
             )
+
+
+def attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Sequences with one new row go through the grouped decode path, the others one by one."""
+    out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    starts = query_starts(meta)
+    dec = [b for b, q in enumerate(meta.query_lens_cpu) if q == 1]
+    if dec:
+        groups = _cached_groups(meta, [starts[b] for b in dec], dec, k_cache.shape[1])
+        _decode_attention(query, k_cache, v_cache, groups, scale, out)
+    if len(dec) < meta.num_seqs:
+        extend_rows(query, k_cache, v_cache, meta, scale, out, starts)
     return out
 
 
@@ -179,6 +189,16 @@ def rotary(positions, query, key, cos_sin_cache, is_neox: bool) -> None:
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     _rotate(query, cos, sin, is_neox)
     _rotate(key, cos, sin, is_neox)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return F.linear(x, weight, bias)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def mask_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -236,3 +256,5 @@ class TorchBackend:
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     sample = staticmethod(sample)
+    linear = staticmethod(linear)
+    silu_mul = staticmethod(silu_mul)

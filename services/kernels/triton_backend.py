@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from services.kernels.metadata import AttentionMetadata
+from services.kernels.torch_backend import linear, silu_mul
 from services.kernels.triton_attention import decode_attention
 from services.kernels.triton_extend import extend_attention
 from services.kernels.triton_kv import write_kv
@@ -53,3 +54,5 @@ class TritonBackend:
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     sample = staticmethod(sample)
+    linear = staticmethod(linear)
+    silu_mul = staticmethod(silu_mul)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.kernels.backend import Backend
@@ -51,7 +50,8 @@ class Attention(nn.Module):
 
     def forward(self, positions, h, kv: KVCache, meta: AttentionMetadata, rope: torch.Tensor):
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.backend.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -65,12 +65,13 @@ class Attention(nn.Module):
         self.backend.rotary(positions, q, k, rope, True)
         self.backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = self.backend.attention(q, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.backend.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, backend: Backend):
         super().__init__()
+        self.backend = backend
         bias = getattr(cfg, "mlp_bias", False)
         self.inter = cfg.intermediate_size
         self.shard_sizes = [self.inter, self.inter]
@@ -80,8 +81,9 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
 
     def forward(self, h):
-        gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        be = self.backend
+        act = be.silu_mul(be.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        return be.linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -89,7 +91,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.backend = backend
         self.self_attn = Attention(cfg, backend, qkv_bias, qk_norm)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, backend)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -150,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        return self.model.backend.linear(hidden, head).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF names (``model.layers.0.self_attn.q_proj.weight`` ...) into fused params."""

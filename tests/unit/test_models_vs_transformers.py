@@ -48,13 +48,15 @@ def _greedy(**kw):
     return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5, **kw)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("kind", TEXT_ARCHS)
-def test_text_greedy_matches_transformers(kind, ckpt_root):
+def test_text_greedy_matches_transformers(kind, backend, ckpt_root):
     path = make_text_checkpoint(ckpt_root, kind)
     prompts = _prompts()
     hf = load_hf(path)
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    llm = LLM(str(path), block_size=4, num_kv_blocks=256)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=256, attention_backend=backend)
+    assert llm.engine.backend.name == backend
     _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy()), refs)
     # Second pass: the prompts now hit the prefix cache and must not change the tokens.
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())

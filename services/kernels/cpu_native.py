@@ -1,0 +1,106 @@
+"""Build and load the native CPU kernels (``csrc/epd_cpu.c``) through ctypes.
+
+Why C and not more torch: the decode hot path on CPU is dominated by ops torch cannot
+fuse (a paged gather followed by SDPA reads the KV cache three times; a GEMV through MKL
+reads weights at ~60 % of memory bandwidth). The library is compiled on first use with
+the system C compiler (``$CC``, else ``cc``) into a cache directory keyed by the source,
+the flags and the CPU, so a fresh machine needs only a compiler; without one the torch
+backend serves (``load`` returns None and says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "epd_cpu.c"
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "epd_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64,
+                                            _I64, _I64, _I64, _F]),
+    "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
+    "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
+    "epd_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F]),
+    "epd_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]),
+}  # fmt: skip
+
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def default_cache_dir() -> str:
+    return os.path.expanduser("~/.cache/epd-serve/kernels")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _library_path(cache_dir: Path, compiler: str) -> Path:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu_id().encode(), platform.machine().encode()):  # fmt: skip
+        h.update(part)
+        h.update(b"\0")
+    return cache_dir / f"epd_cpu-{h.hexdigest()[:16]}.so"
+
+
+def _build(target: Path, compiler: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never see half a library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(cache_dir: str | os.PathLike, compiler: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library (built if needed), or None when it cannot be built here."""
+    key = f"{cache_dir}|{compiler}"
+    if key in _loaded:
+        return _loaded[key]
+    lib = None
+    cc = shutil.which(compiler or os.environ.get("CC") or "cc")
+    if cc is None:
+        log.warning("no C compiler found: native CPU kernels off, using the torch backend")
+    elif platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        log.warning(
+            "native CPU kernels untested on %s: using the torch backend", platform.machine()
+        )
+    else:
+        try:
+            path = _library_path(Path(cache_dir), cc)
+            if not path.exists():
+                _build(path, cc)
+            lib = ctypes.CDLL(str(path))
+            for name, (res, args) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = res, args
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("native CPU kernels unavailable (%s): using the torch backend", e)
+            lib = None
+    _loaded[key] = lib
+    return lib

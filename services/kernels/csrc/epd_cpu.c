@@ -1,0 +1,201 @@
+/* Native CPU kernels of the "cpu" backend (services/kernels/cpu_backend.py).
+ *
+ * Plain C, fp32 only, one thread per call (the Python side splits work across threads;
+ * ctypes releases the GIL). Built on first use with the system C compiler and
+ * -O3 -march=native; loops are written so the compiler vectorizes them without
+ * -ffast-math: reductions keep VW independent partial sums, so results are
+ * deterministic for a given build. Contracts are those of the torch reference ops in
+ * services/kernels/torch_backend.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define VW 16 /* partial sums per reduction: one 512-bit register of floats */
+
+/* Sum of VW partial sums as a tree (vectorizes; a serial chain would cost ~VW adds of
+ * latency for every short dot product). */
+static inline float hsum(float *acc) {
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc[VW] = {0};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW)
+        for (int j = 0; j < VW; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.f;
+    for (; i < n; i++) s += a[i] * b[i];
+    return s + hsum(acc);
+}
+
+/* e^x for x <= 0 ... 88, branch-free so loops over it vectorize (libm's expf does not
+ * without -ffast-math). x = n ln2 + r, |r| <= ln2/2; e^r by a degree-6 Taylor polynomial
+ * (relative error < 2e-7, about one float ulp); 2^n built in the exponent bits. */
+static inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float magic = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float n = (x * 1.44269504088896341f + magic) - magic;
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { float f; int32_t i; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* In-place softmax of s[0:n] (VW partial maxima and sums so the loops vectorize). */
+static void softmax(float *s, int64_t n) {
+    float mx[VW], acc[VW] = {0};
+    for (int j = 0; j < VW; j++) mx[j] = -INFINITY;
+    int64_t t = 0;
+    for (; t + VW <= n; t += VW)
+        for (int j = 0; j < VW; j++) mx[j] = s[t + j] > mx[j] ? s[t + j] : mx[j];
+    float m = -INFINITY;
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    for (int j = 0; j < VW; j++) m = mx[j] > m ? mx[j] : m;
+    for (t = 0; t + VW <= n; t += VW)
+        for (int j = 0; j < VW; j++) {
+            s[t + j] = exp_approx(s[t + j] - m);
+            acc[j] += s[t + j];
+        }
+    float sum = 0.f;
+    for (; t < n; t++) {
+        s[t] = exp_approx(s[t] - m);
+        sum += s[t];
+    }
+    const float inv = 1.f / (sum + hsum(acc));
+    for (t = 0; t < n; t++) s[t] *= inv;
+}
+
+/* Decode attention: one query row per sequence, reading K/V in place from the paged
+ * cache [num_blocks, bs, hkv, d]. Sequence i of this call has its query in row rows[i]
+ * of q/out ([T, hq, d]), its block table in tables + seqs[i] * table_stride and its
+ * context length in lens[seqs[i]]. Two passes over the context: scores for every head
+ * (K streamed once, token-major), then the softmax-weighted sum of V (streamed once).
+ * Returns 0, or -1 if scratch memory could not be allocated. */
+int epd_decode_attention(float *out, const float *q, const float *kc, const float *vc,
+                         const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                         const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
+                         int64_t hkv, int64_t d, int64_t bs, float scale) {
+    int64_t maxlen = 1;
+    for (int64_t i = 0; i < n; i++)
+        if (lens[seqs[i]] > maxlen) maxlen = lens[seqs[i]];
+    float *scores = malloc(sizeof(float) * (size_t)(hq * maxlen));
+    if (!scores) return -1;
+    const int64_t group = hq / hkv, tok = hkv * d;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *table = tables + seqs[i] * table_stride;
+        const int64_t len = lens[seqs[i]];
+        const float *qr = q + rows[i] * hq * d;
+        float *o = out + rows[i] * hq * d;
+        const float *k = kc, *v = vc;
+        for (int64_t t = 0; t < len; t++) {
+            if (t % bs == 0) k = kc + (int64_t)table[t / bs] * bs * tok;
+            for (int64_t h = 0; h < hq; h++)
+                scores[h * len + t] = dot(qr + h * d, k + (h / group) * d, d) * scale;
+            k += tok;
+        }
+        for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
+        memset(o, 0, sizeof(float) * (size_t)(hq * d));
+        for (int64_t t = 0; t < len; t++) {
+            if (t % bs == 0) v = vc + (int64_t)table[t / bs] * bs * tok;
+            for (int64_t h = 0; h < hq; h++) axpy(o + h * d, scores[h * len + t], v + (h / group) * d, d);
+            v += tok;
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* y[r, :n] = x[r, :k] @ wt[:k, :n] (+ bias) for a few rows r, wt = W^T stored row-major
+ * with row stride ldw, y with row stride ldy (a thread may own a column slice of both).
+ * Streams wt once, four rows at a time, into y rows that stay in cache: the weight read
+ * is purely sequential, which is what batch-1 decode (memory-bound) needs. */
+void epd_gemv_t(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
+                const float *bias, int64_t m, int64_t k, int64_t n) {
+    for (int64_t r = 0; r < m; r++) {
+        if (bias) memcpy(y + r * ldy, bias, sizeof(float) * (size_t)n);
+        else memset(y + r * ldy, 0, sizeof(float) * (size_t)n);
+    }
+    int64_t kk = 0;
+    for (; kk + 4 <= k; kk += 4) {
+        const float *w0 = wt + kk * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+        for (int64_t r = 0; r < m; r++) {
+            const float *xr = x + r * k + kk;
+            const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+            float *yr = y + r * ldy;
+            for (int64_t j = 0; j < n; j++)
+                yr[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
+        }
+    }
+    for (; kk < k; kk++)
+        for (int64_t r = 0; r < m; r++) axpy(y + r * ldy, x[r * k + kk], wt + kk * ldw, n);
+}
+
+/* out[m, :h] = silu(x[m, :h]) * x[m, h:2h]  (x is the fused gate/up projection). */
+void epd_silu_mul(float *out, const float *x, int64_t m, int64_t h) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = x + r * 2 * h, *u = g + h;
+        float *o = out + r * h;
+        for (int64_t i = 0; i < h; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+}
+
+/* RMSNorm of rows of x (width h), fp32 sums. With resid: s = x + resid is written to
+ * resid_out and normalised; without: x itself is. */
+void epd_rms_norm(float *out, float *resid_out, const float *x, const float *resid,
+                  const float *w, int64_t m, int64_t h, float eps) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * h;
+        if (resid) {
+            float *s = resid_out + r * h;
+            const float *rr = resid + r * h;
+            for (int64_t i = 0; i < h; i++) s[i] = xr[i] + rr[i];
+            xr = s;
+        }
+        const float inv = 1.f / sqrtf(dot(xr, xr, h) / (float)h + eps);
+        float *o = out + r * h;
+        for (int64_t i = 0; i < h; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+static inline void rotate(float *x, const float *cos, const float *sin, int64_t half, int neox) {
+    if (neox) {
+        float *x2 = x + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x[i], b = x2[i];
+            x[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * cos[i] - b * sin[i];
+            x[2 * i + 1] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/* Rotary embedding in place on the first `rot` features of every head of q [t, hq, d]
+ * and k [t, hkv, d] (contiguous); cs [max_pos, rot] holds cos | sin for each position. */
+void epd_rotary(float *q, float *k, const int64_t *pos, const float *cs, int64_t t, int64_t hq,
+                int64_t hkv, int64_t d, int64_t rot, int neox) {
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < t; i++) {
+        const float *cos = cs + pos[i] * rot, *sin = cos + half;
+        for (int64_t h = 0; h < hq; h++) rotate(q + (i * hq + h) * d, cos, sin, half, neox);
+        for (int64_t h = 0; h < hkv; h++) rotate(k + (i * hkv + h) * d, cos, sin, half, neox);
+    }
+}
