@@ -33,8 +33,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.backend = get_backend(config.attention_backend, resolve_device(config.device),
-                                   config.kernel_cache_dir)  # fmt: skip
+        device = resolve_device(config.device)
+        self.backend = get_backend(config.attention_backend, device, config.kernel_cache_dir)
+        self.step_tokens = config.step_token_budget(device.type)
         self.loaded = lm = load_model(config, self.backend)
         self.model = lm.model
         self.tokenizer = load_tokenizer(lm.model_dir)
@@ -46,7 +47,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv.num_blocks, config.block_size,
                                           config.enable_prefix_caching)  # fmt: skip
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.step_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=lm.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
         ), self.block_manager)  # fmt: skip
         self.runner = ModelRunner(lm.model, self.kv, self.backend, lm.device)
@@ -132,7 +133,7 @@ class LLMEngine:
 
     def _check_budget(self, n: int) -> None:
         c = self.config
-        if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
+        if not c.enable_chunked_prefill and n > self.step_tokens:
             raise ValueError(
                 f"prompt of {n} tokens exceeds max_num_batched_tokens without chunked prefill"
             )

@@ -66,7 +66,6 @@ class CpuBackend:
 
     name = "cpu"
     write_kv = staticmethod(ref.write_kv)
-    sample = staticmethod(ref.sample)
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -130,6 +129,18 @@ class CpuBackend:
             self._run(run, self._split(plan.num_decode, 8))
         if plan.num_decode < meta.num_seqs:
             ref.extend_rows(query, k_cache, v_cache, meta, scale, out, plan.starts)
+        return out
+
+    def sample(self, logits: torch.Tensor, t) -> torch.Tensor:
+        if not t.all_greedy or logits.dim() != 2 or not _fp32(logits):
+            return ref.sample(logits, t)
+        m, n = logits.shape
+        out = torch.empty(m, dtype=torch.int64)
+
+        def run(lo: int, hi: int) -> None:
+            self.lib.epd_argmax(_ptr(out, lo), _ptr(logits, lo * n), hi - lo, n)
+
+        self._run(run, self._split(m, 8))
         return out
 
     # -- dense ops ------------------------------------------------------------------

@@ -32,6 +32,7 @@ _SIGNATURES = {
     "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
     "epd_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F]),
+    "epd_argmax": (None, [_P, _P, _I64, _I64]),
     "epd_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]),
 }  # fmt: skip
 

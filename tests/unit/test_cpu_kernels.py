@@ -7,6 +7,7 @@ rows mixed with prefill rows; one and two threads; and fallbacks for other dtype
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,6 +121,15 @@ def test_rotary_in_place(be, threads, neox, rot):
     torch.testing.assert_close(k, k2, **TOL)
     with pytest.raises(IndexError, match="position"):
         be.rotary(pos + 100, q, k, cs, neox)
+
+
+def test_greedy_sampling_is_torch_argmax(be, threads):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 1001, generator=gen)
+    logits[3, 17] = logits[3, 900] = 50.0  # a tie: the first index wins, as in torch
+    logits[4] = float("-inf")
+    t = SimpleNamespace(all_greedy=True)
+    assert torch.equal(be.sample(logits, t), logits.argmax(dim=-1))
 
 
 def test_other_dtypes_fall_back_to_torch(be):
