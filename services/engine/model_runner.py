@@ -10,7 +10,7 @@ from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
 from services.engine.sampler import TokenLogprobs, sample
 from services.kernels.backend import Backend
-from services.kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata, OutputRows
 
 
 @dataclass
@@ -20,8 +20,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64, the new tokens of every scheduled request, packed
     positions: torch.Tensor  # [T] int64, their positions in their sequences
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64, row of the last new token of each sampling request
-    sampling: list[Request]  # the S requests that sample this step, in logits_indices order
+    # Rows of the last new token of the S sampling requests; None when those are all the
+    # rows, in order (a pure decode step): the model then returns every row as it is.
+    out_rows: OutputRows | None
+    sampling: list[Request]  # the S requests that sample this step, in row order
     # Image embedding rows to place: (first row in the step, embeddings [n, hidden]).
     mm_rows: list[tuple[int, torch.Tensor]]
 
@@ -80,14 +82,38 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_idx.append(len(ids) - 1)
                 sampling.append(req)
+        attn = self._attn_meta(qlens, seqlens, tables, slots)
         return StepInputs(
             input_ids=self._tensor(ids, torch.long),
             positions=self._tensor(pos, torch.long),
-            attn=self._attn_meta(qlens, seqlens, tables, slots),
-            logits_indices=self._tensor(logits_idx, torch.long),
+            attn=attn,
+            out_rows=self._out_rows(logits_idx, qlens, attn),
             sampling=sampling,
             mm_rows=mm_rows,
         )
+
+    def _out_rows(self, rows: list[int], qlens: list[int], attn) -> OutputRows | None:
+        if len(rows) == len(qlens) and all(q == 1 for q in qlens):
+            return None
+        ends = set(rows)
+        seqs, end = [], 0
+        for b, q in enumerate(qlens):
+            end += q
+            if end - 1 in ends:
+                seqs.append(b)
+        sel = self._tensor(seqs, torch.long)
+        lens = [attn.seq_lens_cpu[b] for b in seqs]
+        meta = AttentionMetadata(
+            query_start_loc=self._tensor(list(range(len(seqs) + 1)), torch.int32),
+            seq_lens=attn.seq_lens.index_select(0, sel),
+            block_tables=attn.block_tables.index_select(0, sel),
+            slot_mapping=self._tensor([], torch.long),
+            max_query_len=1 if seqs else 0,
+            max_seq_len=max(lens, default=0),
+            query_lens_cpu=[1] * len(seqs),
+            seq_lens_cpu=lens,
+        )
+        return OutputRows(self._tensor(rows, torch.long), meta)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -119,10 +145,10 @@ class ModelRunner:
         embeds = self.model.embed(step.input_ids)
         for row, emb in step.mm_rows:
             embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
-        hidden = self.model(step.positions, embeds, self.kv.layers, step.attn)
+        hidden = self.model(step.positions, embeds, self.kv.layers, step.attn, step.out_rows)
         if not step.sampling:
             return StepOutput({}, {})
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        logits = self.model.compute_logits(hidden)
         seeds = [self.seeds.get(r.request_id, 0) for r in step.sampling]
         tokens, lps = sample(logits, step.sampling, seeds, self.backend)
         ids = [r.request_id for r in step.sampling]

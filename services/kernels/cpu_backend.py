@@ -28,6 +28,9 @@ from services.kernels.metadata import AttentionMetadata
 
 GEMV_MAX_ROWS = 4
 GEMM_MIN_ROWS = 8
+# Longest prefill context the per-row kernel takes (its K/V, re-read by every row, stays
+# in L2 at 4 KV heads x 64); beyond, SDPA's query tiling wins.
+NATIVE_EXTEND_MAX = 1024
 _F32 = torch.float32
 
 
@@ -48,17 +51,39 @@ def _mkldnn_linear_works() -> bool:
         return False
 
 
-class _DecodePlan:
-    """Per-step inputs of the native decode attention, built by the first layer."""
+class _AttentionPlan:
+    """Per-step inputs of the native attention, built by the first layer.
 
-    def __init__(self, meta: AttentionMetadata):
+    Every decode row, and every row of a prefill whose context is short enough to be
+    re-read from cache per row (``NATIVE_EXTEND_MAX``), becomes one query of the kernel
+    with its own causal length; longer prefills go to SDPA one sequence at a time.
+    """
+
+    def __init__(self, meta: AttentionMetadata, num_blocks: int, block_size: int):
         self.starts = ref.query_starts(meta)
-        dec = [b for b, q in enumerate(meta.query_lens_cpu) if q == 1]
-        self.num_decode = len(dec)
-        self.rows = torch.tensor([self.starts[b] for b in dec], dtype=torch.int64)
-        self.seqs = torch.tensor(dec, dtype=torch.int64)
+        rows, seqs, lens = [], [], []
+        self.sdpa = False
+        for b, (q, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            if q > 1 and ctx > NATIVE_EXTEND_MAX:
+                self.sdpa = True
+                continue
+            s = self.starts[b]
+            rows.extend(range(s, s + q))
+            seqs.extend([b] * q)
+            lens.extend(range(ctx - q + 1, ctx + 1))
+        self.num_rows = len(rows)
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        self.seqs = torch.tensor(seqs, dtype=torch.int64)
+        self.lens = torch.tensor(lens, dtype=torch.int32)
         self.tables = meta.block_tables.to(torch.int32).contiguous()
-        self.lens = meta.seq_lens.to(torch.int32).contiguous()
+        # The kernel reads raw memory: a bad table must fail here, not read out of bounds.
+        width = self.tables.shape[1] if self.tables.dim() == 2 else 0
+        if rows and (max(lens) > width * block_size or self.tables.shape[0] < meta.num_seqs):
+            raise ValueError("attention: a context is longer than its block table")
+        if self.tables.numel() and not (
+            int(self.tables.min()) >= 0 and int(self.tables.max()) < num_blocks
+        ):
+            raise ValueError("attention: a block id outside the KV cache")
 
 
 class CpuBackend:
@@ -70,7 +95,7 @@ class CpuBackend:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.use_mkldnn = _mkldnn_linear_works()
-        self._plan: tuple[weakref.ref | None, _DecodePlan | None] = (None, None)
+        self._plan: tuple[weakref.ref | None, _AttentionPlan | None] = (None, None)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -81,14 +106,17 @@ class CpuBackend:
 
     # -- threading ------------------------------------------------------------------
     def _split(self, n: int, min_chunk: int) -> list[tuple[int, int]]:
+        if n == 0:
+            return []
         parts = max(1, min(torch.get_num_threads(), n // max(min_chunk, 1)))
         step = -(-n // parts)
         return [(i, min(n, i + step)) for i in range(0, n, step)]
 
     def _run(self, fn, ranges: list[tuple[int, int]]) -> None:
         """fn(lo, hi) over the ranges: the last one here, the others on pool threads."""
-        if len(ranges) == 1:
-            fn(*ranges[0])
+        if len(ranges) <= 1:
+            for lo, hi in ranges:
+                fn(lo, hi)
             return
         if self._pool_size < len(ranges) - 1:
             if self._pool is not None:
@@ -101,10 +129,10 @@ class CpuBackend:
             f.result()
 
     # -- attention ------------------------------------------------------------------
-    def _decode_plan(self, meta: AttentionMetadata) -> _DecodePlan:
+    def _attention_plan(self, meta: AttentionMetadata, k_cache) -> _AttentionPlan:
         ref_, plan = self._plan
         if ref_ is None or ref_() is not meta:
-            plan = _DecodePlan(meta)
+            plan = _AttentionPlan(meta, k_cache.shape[0], k_cache.shape[1])
             self._plan = (weakref.ref(meta), plan)
         return plan
 
@@ -112,23 +140,23 @@ class CpuBackend:
         if not _fp32(query, k_cache, v_cache) or query.shape[0] == 0:
             return ref.attention(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
-        plan = self._decode_plan(meta)
-        if plan.num_decode:
-            _, bs, hkv, d = k_cache.shape
-            hq, ts = query.shape[1], plan.tables.stride(0)
+        plan = self._attention_plan(meta, k_cache)
+        _, bs, hkv, d = k_cache.shape
+        hq, ts = query.shape[1], plan.tables.stride(0)
 
-            def run(lo: int, hi: int) -> None:
-                rc = self.lib.epd_decode_attention(
-                    _ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables),
-                    ts, _ptr(plan.lens), _ptr(plan.rows, lo), _ptr(plan.seqs, lo), hi - lo,
-                    hq, hkv, d, bs, scale,
-                )  # fmt: skip
-                if rc != 0:
-                    raise MemoryError("decode attention: out of memory for its scratch")
+        def run(lo: int, hi: int) -> None:
+            rc = self.lib.epd_decode_attention(
+                _ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts,
+                _ptr(plan.lens, lo), _ptr(plan.rows, lo), _ptr(plan.seqs, lo), hi - lo,
+                hq, hkv, d, bs, scale,
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("attention: out of memory for its scratch")
 
-            self._run(run, self._split(plan.num_decode, 8))
-        if plan.num_decode < meta.num_seqs:
-            ref.extend_rows(query, k_cache, v_cache, meta, scale, out, plan.starts)
+        self._run(run, self._split(plan.num_rows, 8))
+        if plan.sdpa:
+            ref.extend_rows(query, k_cache, v_cache, meta, scale, out, plan.starts,
+                            min_context=NATIVE_EXTEND_MAX + 1)  # fmt: skip
         return out
 
     def sample(self, logits: torch.Tensor, t) -> torch.Tensor:

@@ -39,6 +39,19 @@ class AttentionMetadata:
 
 
 @dataclass
+class OutputRows:
+    """The rows whose hidden states a step needs (the S sampled rows, in sampling order).
+
+    Beyond its K/V, the last decoder layer computes only these: the other rows of a
+    prefill chunk feed no later layer and no logits. ``meta`` is one query per kept row,
+    over that row's whole sequence (its K/V, this step's included, is written by then).
+    """
+
+    rows: torch.Tensor  # [S] int64, query rows of the step
+    meta: AttentionMetadata  # S sequences, one query each
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling controls for one step's logits (B rows)."""
 

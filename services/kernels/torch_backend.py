@@ -134,10 +134,12 @@ def query_starts(meta: AttentionMetadata) -> list[int]:
     return starts
 
 
-def extend_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, starts):
-    """Attention of every sequence with more than one new row, one by one, into out."""
+def extend_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, starts,
+                min_context: int = 0):  # fmt: skip
+    """Attention of every sequence with more than one new row (and a context of at least
+    ``min_context``), one by one, into out."""
     for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-        if qlen > 1:
+        if qlen > 1 and ctx >= min_context:
             s = starts[b]
             out[s : s + qlen] = _extend_one(
                 query[s : s + qlen], k_cache, v_cache, meta.block_tables[b], qlen, ctx, scale

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from services.kernels.backend import Backend
-from services.kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata, OutputRows
 from services.models.loader import CheckpointError, copy_param
 from services.models.rope import cos_sin_cache
 
@@ -48,7 +48,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions, h, kv: KVCache, meta: AttentionMetadata, rope: torch.Tensor):
+    def forward(self, positions, h, kv: KVCache, meta: AttentionMetadata, rope: torch.Tensor,
+                keep: OutputRows | None = None):  # fmt: skip
         t = h.shape[0]
         qkv = self.backend.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -64,8 +65,11 @@ class Attention(nn.Module):
         q, k = q.contiguous(), k.contiguous()
         self.backend.rotary(positions, q, k, rope, True)
         self.backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        if keep is not None:  # every row's K/V is written; only the kept rows go on
+            q, meta = q.index_select(0, keep.rows), keep.meta
         o = self.backend.attention(q, kv[0], kv[1], meta, self.scale)
-        return self.backend.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        o = o.reshape(q.shape[0], self.q_size)
+        return self.backend.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -95,14 +99,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h, residual, kv, meta, rope):
+    def forward(self, positions, h, residual, kv, meta, rope, keep: OutputRows | None = None):
         norm = self.input_layernorm
         if residual is None:
             residual = h
             h = self.backend.rms_norm(h, norm.weight, norm.eps)
         else:
             h, residual = self.backend.rms_norm(h, norm.weight, norm.eps, residual)
-        h = self.self_attn(positions, h, kv, meta, rope)
+        h = self.self_attn(positions, h, kv, meta, rope, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep.rows)
         norm = self.post_attention_layernorm
         h, residual = self.backend.rms_norm(h, norm.weight, norm.eps, residual)
         return self.mlp(h), residual
@@ -118,10 +124,12 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h, kv_caches, meta, rope):
+    def forward(self, positions, h, kv_caches, meta, rope, keep: OutputRows | None = None):
+        """Hidden states of every row, or of the ``keep`` rows only (see ``OutputRows``)."""
         residual = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(positions, h, residual, kv, meta, rope)
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h, residual = layer(positions, h, residual, kv, meta, rope, keep if i == last else None)
         h, _ = self.backend.rms_norm(h, self.norm.weight, self.norm.eps, residual)
         return h
 
@@ -147,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, positions, inputs_embeds, kv_caches, meta) -> torch.Tensor:
-        return self.model(positions, inputs_embeds, kv_caches, meta, self.rope)
+    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None) -> torch.Tensor:
+        return self.model(positions, inputs_embeds, kv_caches, meta, self.rope, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.tie else self.lm_head.weight

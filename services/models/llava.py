@@ -122,8 +122,8 @@ class LlavaForConditionalGeneration(nn.Module):
         vocab = self.language_model.model.embed_tokens.num_embeddings
         return self.language_model.embed(input_ids.clamp(max=vocab - 1))
 
-    def forward(self, positions, inputs_embeds, kv_caches, meta) -> torch.Tensor:
-        return self.language_model(positions, inputs_embeds, kv_caches, meta)
+    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None) -> torch.Tensor:
+        return self.language_model(positions, inputs_embeds, kv_caches, meta, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

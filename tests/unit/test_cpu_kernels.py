@@ -73,14 +73,31 @@ def test_attention_matches_torch_on_mixed_batches(be, threads, hq, hkv, d):
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_attention_long_context_and_many_sequences(be, threads):
+def test_attention_long_contexts_and_many_sequences(be, threads):
+    """Decode rows up to 700 tokens, a prefill chunk past NATIVE_EXTEND_MAX (SDPA serves
+    it) and one just under it (the native kernel does)."""
     gen = torch.Generator().manual_seed(7)
     lens = [int(x) for x in torch.randint(1, 700, (40,), generator=gen)]
-    meta = _meta([1] * 40, lens, 2048, 16, gen)
+    query_lens, lens = [1] * 40 + [30, 12], lens + [1500, 1000]
+    meta = _meta(query_lens, lens, 2048, 16, gen)
     kc, vc = torch.randn(2, 2048, 16, 2, 64, generator=gen)
-    q = torch.randn(40, 8, 64, generator=gen)
+    q = torch.randn(sum(query_lens), 8, 64, generator=gen)
     torch.testing.assert_close(be.attention(q, kc, vc, meta, 0.125),
                                ref.attention(q, kc, vc, meta, 0.125), **TOL)  # fmt: skip
+
+
+def test_attention_rejects_tables_that_would_read_out_of_bounds(be):
+    gen = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(2, 8, 16, 2, 64, generator=gen)
+    q = torch.randn(1, 4, 64, generator=gen)
+    meta = _meta([1], [20], 8, 16, gen)
+    meta.block_tables[0, 1] = 8  # one past the last block
+    with pytest.raises(ValueError, match="block id"):
+        be.attention(q, kc, vc, meta, 0.125)
+    meta = _meta([1], [20], 8, 16, gen)
+    meta.seq_lens_cpu = [40]  # longer than the 2 blocks the table holds
+    with pytest.raises(ValueError, match="longer than its block table"):
+        be.attention(q, kc, vc, meta, 0.125)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 8, 33])

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define VW 8 /* partial sums per reduction: one 512-bit register of floats */
+#define VW 8 /* partial sums per reduction (8 beat 4 and 16 on the attention here) */
 
 /* Sum of VW partial sums as a tree (vectorizes; a serial chain would cost ~VW adds of
  * latency for every short dot product). */
@@ -79,25 +79,28 @@ static void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
-/* Decode attention: one query row per sequence, reading K/V in place from the paged
- * cache [num_blocks, bs, hkv, d]. Sequence i of this call has its query in row rows[i]
- * of q/out ([T, hq, d]), its block table in tables + seqs[i] * table_stride and its
- * context length in lens[seqs[i]]. Two passes over the context: scores for every head
- * (K streamed once, token-major), then the softmax-weighted sum of V (streamed once).
- * Returns 0, or -1 if scratch memory could not be allocated. */
+/* Attention of single query rows over the paged cache [num_blocks, bs, hkv, d], reading
+ * K/V in place. Query i of this call is row rows[i] of q/out ([T, hq, d]); it attends to
+ * positions 0 .. lens[i] - 1 of the sequence whose block table is tables + seqs[i] *
+ * table_stride (a decode row: its whole context; a prefill row: its causal prefix). Two
+ * passes over the context: scores for every head (K streamed once, token-major, while the
+ * same tokens' V is prefetched), then the softmax-weighted sum of V (from cache).
+ * About 2x a plain read of the same blocks here; a token-major softmax and a head-outer V
+ * pass with register accumulators were both slower. Returns 0, or -1 if scratch memory
+ * could not be allocated. */
 int epd_decode_attention(float *out, const float *q, const float *kc, const float *vc,
                          const int32_t *tables, int64_t table_stride, const int32_t *lens,
                          const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
                          int64_t hkv, int64_t d, int64_t bs, float scale) {
     int64_t maxlen = 1;
     for (int64_t i = 0; i < n; i++)
-        if (lens[seqs[i]] > maxlen) maxlen = lens[seqs[i]];
+        if (lens[i] > maxlen) maxlen = lens[i];
     float *scores = malloc(sizeof(float) * (size_t)(hq * maxlen));
     if (!scores) return -1;
     const int64_t group = hq / hkv, tok = hkv * d;
     for (int64_t i = 0; i < n; i++) {
         const int32_t *table = tables + seqs[i] * table_stride;
-        const int64_t len = lens[seqs[i]];
+        const int64_t len = lens[i];
         const float *qr = q + rows[i] * hq * d;
         float *o = out + rows[i] * hq * d;
         const float *k = kc, *v = vc;
