@@ -39,7 +39,11 @@ def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
 
 
 def _fp32(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == _F32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
+    # A loop, not all(<genexpr>): this runs ~100 times per decode step.
+    for t in ts:
+        if t.dtype is not _F32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
 
 
 def _mkldnn_linear_works() -> bool:
@@ -96,6 +100,7 @@ class CpuBackend:
         self.lib = lib
         self.use_mkldnn = _mkldnn_linear_works()
         self._plan: tuple[weakref.ref | None, _AttentionPlan | None] = (None, None)
+        self._checked_positions: tuple[weakref.ref | None, int] = (None, 0)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -106,8 +111,8 @@ class CpuBackend:
 
     # -- threading ------------------------------------------------------------------
     def _split(self, n: int, min_chunk: int) -> list[tuple[int, int]]:
-        if n == 0:
-            return []
+        if n < 2 * min_chunk:
+            return [(0, n)] if n else []
         parts = max(1, min(torch.get_num_threads(), n // max(min_chunk, 1)))
         step = -(-n // parts)
         return [(i, min(n, i + step)) for i in range(0, n, step)]
@@ -218,14 +223,22 @@ class CpuBackend:
             return ref.rotary(positions, query, key, cos_sin_cache, is_neox)
         t, hq, d = query.shape
         hkv, rot = key.shape[1], cos_sin_cache.shape[-1]
-        if t and int(pos.max()) >= cos_sin_cache.shape[0] or (t and int(pos.min()) < 0):
-            raise IndexError("rotary: position outside the cos/sin table")
+        self._check_positions(pos, cos_sin_cache.shape[0])
 
         def run(lo: int, hi: int) -> None:
             self.lib.epd_rotary(_ptr(query, lo * hq * d), _ptr(key, lo * hkv * d), _ptr(pos, lo),
                                 _ptr(cos_sin_cache), hi - lo, hq, hkv, d, rot, int(is_neox))  # fmt: skip
 
         self._run(run, self._split(t, 256))
+
+    def _check_positions(self, pos: torch.Tensor, table_len: int) -> None:
+        """Positions index the cos/sin table in C: check them once per step, not per layer."""
+        ref_, checked_len = self._checked_positions
+        if ref_ is not None and ref_() is pos and checked_len == table_len:
+            return
+        if pos.numel() and (int(pos.max()) >= table_len or int(pos.min()) < 0):
+            raise IndexError("rotary: position outside the cos/sin table")
+        self._checked_positions = (weakref.ref(pos), table_len)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         if x.dim() != 2 or not _fp32(x, weight) or (residual is not None and not _fp32(residual)):
