@@ -107,7 +107,10 @@ class CpuBackend:
     @classmethod
     def create(cls, kernel_cache_dir: str = "") -> CpuBackend | None:
         lib = cpu_native.load(kernel_cache_dir or cpu_native.default_cache_dir())
-        return None if lib is None else cls(lib)
+        if lib is None:
+            return None
+        cpu_native.keep_freed_memory()
+        return cls(lib)
 
     # -- threading ------------------------------------------------------------------
     def _split(self, n: int, min_chunk: int) -> list[tuple[int, int]]:

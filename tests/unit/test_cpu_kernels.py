@@ -7,6 +7,7 @@ rows mixed with prefill rows; one and two threads; and fallbacks for other dtype
 """
 
 import math
+import platform
 from types import SimpleNamespace
 
 import pytest
@@ -163,3 +164,8 @@ def test_without_a_compiler_auto_serves_with_torch(tmp_path, monkeypatch):
     assert get_backend("auto", torch.device("cpu"), str(tmp_path)).name == "torch"
     with pytest.raises(ValueError, match="did not build"):
         get_backend("cpu", torch.device("cpu"), str(tmp_path))
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_glibc_keeps_freed_memory_for_the_next_step():
+    assert cpu_native.keep_freed_memory()
