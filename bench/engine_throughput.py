@@ -1,6 +1,6 @@
 """CPU throughput of our engine against transformers on one ~56 M-parameter random Llama.
 
-    python bench/engine_throughput.py            # full run, about 10 minutes
+    python bench/engine_throughput.py            # full run, about 18 minutes here
     python bench/engine_throughput.py --quick    # smoke run, under a minute
 
 Everything runs at ``torch.set_num_threads(1)`` in one process, on the same weights
