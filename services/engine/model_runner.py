@@ -66,7 +66,7 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> StepInputs:
         ids, pos, slots, qlens, seqlens, tables = [], [], [], [], [], []
-        logits_idx, sampling, mm_rows = [], [], []
+        logits_idx, sample_seqs, sampling, mm_rows = [], [], [], []
         bs = self.block_size
         for item in scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
@@ -81,26 +81,22 @@ class ModelRunner:
                 mm_rows.extend(self._image_rows(req, start, start + n, row0))
             if start + n == req.num_tokens:
                 logits_idx.append(len(ids) - 1)
+                sample_seqs.append(len(qlens) - 1)
                 sampling.append(req)
         attn = self._attn_meta(qlens, seqlens, tables, slots)
         return StepInputs(
             input_ids=self._tensor(ids, torch.long),
             positions=self._tensor(pos, torch.long),
             attn=attn,
-            out_rows=self._out_rows(logits_idx, qlens, attn),
+            out_rows=self._out_rows(logits_idx, sample_seqs, attn),
             sampling=sampling,
             mm_rows=mm_rows,
         )
 
-    def _out_rows(self, rows: list[int], qlens: list[int], attn) -> OutputRows | None:
-        if len(rows) == len(qlens) and all(q == 1 for q in qlens):
+    def _out_rows(self, rows: list[int], seqs: list[int], attn) -> OutputRows | None:
+        """The last rows of the sampling sequences ``seqs``, as one query each."""
+        if len(rows) == attn.num_seqs and attn.max_query_len == 1:
             return None
-        ends = set(rows)
-        seqs, end = [], 0
-        for b, q in enumerate(qlens):
-            end += q
-            if end - 1 in ends:
-                seqs.append(b)
         sel = self._tensor(seqs, torch.long)
         lens = [attn.seq_lens_cpu[b] for b in seqs]
         meta = AttentionMetadata(
