@@ -79,10 +79,12 @@ class EngineConfig:
     # "auto" (Triton on CUDA; on CPU the native kernels when a C compiler can build them,
     # else torch), "cpu", "torch" or "triton".
     attention_backend: str = "auto"
-    # Where the native CPU kernels are compiled on first use.
+    # Where the native CPU kernels are compiled on first use, and by which C compiler
+    # (EPD_KERNEL_CC, else the conventional $CC, else "cc").
     kernel_cache_dir: str = field(
         default_factory=lambda: os.path.expanduser("~/.cache/epd-serve/kernels")
     )
+    kernel_cc: str = field(default_factory=lambda: os.environ.get("CC") or "cc")
     # Seed for dummy weights and for requests that bring no seed of their own.
     seed: int = 0
 

@@ -34,7 +34,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = resolve_device(config.device)
-        self.backend = get_backend(config.attention_backend, device, config.kernel_cache_dir)
+        self.backend = get_backend(config.attention_backend, device, config.kernel_cache_dir,
+                                   config.kernel_cc)  # fmt: skip
         self.step_tokens = config.step_token_budget(device.type)
         self.loaded = lm = load_model(config, self.backend)
         self.model = lm.model

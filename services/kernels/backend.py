@@ -72,7 +72,8 @@ class Backend(Protocol):
         """x [T, 2I] = (gate | up) -> silu(gate) * up [T, I]."""
 
 
-def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "") -> Backend:
+def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "",
+                kernel_cc: str = "cc") -> Backend:  # fmt: skip
     """``auto`` picks Triton on CUDA, else the native CPU kernels when they build here, else
     torch; ``cpu`` insists on the native kernels."""
     if name == "auto":
@@ -80,7 +81,7 @@ def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "") -> 
         if name == "cpu":
             from services.kernels.cpu_backend import CpuBackend
 
-            backend = CpuBackend.create(kernel_cache_dir)
+            backend = CpuBackend.create(kernel_cache_dir, kernel_cc)
             if backend is not None:
                 return backend
             name = "torch"
@@ -89,7 +90,7 @@ def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "") -> 
 
         if device.type != "cpu":
             raise ValueError("attention backend 'cpu' serves only device cpu")
-        backend = CpuBackend.create(kernel_cache_dir)
+        backend = CpuBackend.create(kernel_cache_dir, kernel_cc)
         if backend is None:
             raise ValueError("attention backend 'cpu' is unavailable: its kernels did not build")
         return backend

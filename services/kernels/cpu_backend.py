@@ -105,8 +105,8 @@ class CpuBackend:
         self._pool_size = 0
 
     @classmethod
-    def create(cls, kernel_cache_dir: str = "") -> CpuBackend | None:
-        lib = cpu_native.load(kernel_cache_dir or cpu_native.default_cache_dir())
+    def create(cls, kernel_cache_dir: str = "", compiler: str = "cc") -> CpuBackend | None:
+        lib = cpu_native.load(kernel_cache_dir or cpu_native.default_cache_dir(), compiler)
         if lib is None:
             return None
         cpu_native.keep_freed_memory()

@@ -3,7 +3,7 @@
 Why C and not more torch: the decode hot path on CPU is dominated by ops torch cannot
 fuse (a paged gather followed by SDPA reads the KV cache three times; a GEMV through MKL
 reads weights at ~60 % of memory bandwidth). The library is compiled on first use with
-the system C compiler (``$CC``, else ``cc``) into a cache directory keyed by the source,
+the system C compiler (``EngineConfig.kernel_cc``) into a cache directory keyed by the source,
 the flags and the CPU, so a fresh machine needs only a compiler; without one the torch
 backend serves (``load`` returns None and says why).
 """
@@ -103,15 +103,16 @@ def keep_freed_memory() -> bool:
     return bool(ok)
 
 
-def load(cache_dir: str | os.PathLike, compiler: str | None = None) -> ctypes.CDLL | None:
+def load(cache_dir: str | os.PathLike, compiler: str = "cc") -> ctypes.CDLL | None:
     """The kernel library (built if needed), or None when it cannot be built here."""
     key = f"{cache_dir}|{compiler}"
     if key in _loaded:
         return _loaded[key]
     lib = None
-    cc = shutil.which(compiler or os.environ.get("CC") or "cc")
+    cc = shutil.which(compiler)
     if cc is None:
-        log.warning("no C compiler found: native CPU kernels off, using the torch backend")
+        log.warning("no C compiler %r found: native CPU kernels off, using the torch backend",
+                    compiler)  # fmt: skip
     elif platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         log.warning(
             "native CPU kernels untested on %s: using the torch backend", platform.machine()

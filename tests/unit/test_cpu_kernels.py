@@ -157,13 +157,20 @@ def test_other_dtypes_fall_back_to_torch(be):
     assert torch.equal(be.linear(x, w), F.linear(x, w))
 
 
-def test_without_a_compiler_auto_serves_with_torch(tmp_path, monkeypatch):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(cpu_native, "_loaded", {})
-    assert cpu_native.load(tmp_path) is None
-    assert get_backend("auto", torch.device("cpu"), str(tmp_path)).name == "torch"
+def test_without_a_compiler_auto_serves_with_torch(tmp_path):
+    cc = str(tmp_path / "no-such-cc")
+    assert cpu_native.load(tmp_path, cc) is None
+    assert get_backend("auto", torch.device("cpu"), str(tmp_path), cc).name == "torch"
     with pytest.raises(ValueError, match="did not build"):
-        get_backend("cpu", torch.device("cpu"), str(tmp_path))
+        get_backend("cpu", torch.device("cpu"), str(tmp_path), cc)
+
+
+def test_a_compiler_that_fails_leaves_the_torch_backend(tmp_path):
+    cc = tmp_path / "broken-cc"
+    cc.write_text("#!/bin/sh\necho 'cc: broken' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    assert cpu_native.load(tmp_path, str(cc)) is None
+    assert get_backend("auto", torch.device("cpu"), str(tmp_path), str(cc)).name == "torch"
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
