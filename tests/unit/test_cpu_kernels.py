@@ -60,7 +60,9 @@ def _meta(query_lens, seq_lens, num_blocks, bs, gen) -> AttentionMetadata:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 4, 16), (6, 2, 40)])
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(8, 4, 64), (16, 2, 128), (12, 4, 64), (4, 4, 16), (6, 2, 40)]
+)
 def test_attention_matches_torch_on_mixed_batches(be, threads, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * d)
     bs, nb = 16, 64
