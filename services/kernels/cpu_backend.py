@@ -1,6 +1,6 @@
 """CPU backend: the torch backend with its decode hot path on native kernels.
 
-Chosen by ``get_backend`` on CPU when ``csrc/epd_cpu.c`` builds (see ``cpu_native``).
+Chosen by ``get_backend`` on CPU when the kernels in ``csrc/`` build (see ``cpu_native``).
 fp32 only: any other dtype, or a layout the kernels do not take, falls back to the torch
 op of the same contract, so the backend is always complete.
 

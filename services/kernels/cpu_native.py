@@ -1,4 +1,4 @@
-"""Build and load the native CPU kernels (``csrc/epd_cpu.c``) through ctypes.
+"""Build and load the native CPU kernels (``csrc/*.c``) through ctypes.
 
 Why C and not more torch: the decode hot path on CPU is dominated by ops torch cannot
 fuse (a paged gather followed by SDPA reads the KV cache three times; a GEMV through MKL
@@ -22,7 +22,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "epd_cpu.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "epd_cpu.c", CSRC / "epd_attention.c"]
+HEADERS = [CSRC / "epd_common.h"]
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -55,8 +57,10 @@ def _cpu_id() -> str:
 
 def _library_path(cache_dir: Path, compiler: str) -> Path:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                 _cpu_id().encode(), platform.machine().encode()):  # fmt: skip
+    parts = [p.read_bytes() for p in SOURCES + HEADERS]
+    parts += [" ".join(FLAGS).encode(), compiler.encode(), _cpu_id().encode(),
+              platform.machine().encode()]  # fmt: skip
+    for part in parts:
         h.update(part)
         h.update(b"\0")
     return cache_dir / f"epd_cpu-{h.hexdigest()[:16]}.so"
@@ -68,7 +72,7 @@ def _build(target: Path, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")

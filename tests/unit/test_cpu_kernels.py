@@ -1,4 +1,4 @@
-"""Native CPU kernels (``services/kernels/csrc/epd_cpu.c``) against their torch twins.
+"""Native CPU kernels (``services/kernels/csrc/``) against their torch twins.
 
 The cpu backend must give what the torch backend gives, for every op it replaces, on
 shapes that reach each code path: GEMV (1-4 rows), oneDNN GEMM (8+ rows), F.linear
