@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from services.kernels.metadata import AttentionMetadata
-from services.kernels.torch_backend import linear, silu_mul
+from services.kernels.torch_backend import TorchBackend
 from services.kernels.triton_attention import decode_attention
 from services.kernels.triton_extend import extend_attention
 from services.kernels.triton_kv import write_kv
@@ -45,8 +45,9 @@ def attention(
     )
 
 
-class TritonBackend:
-    """Backend object over the Triton launchers (see ``services.kernels.backend``)."""
+class TritonBackend(TorchBackend):
+    """Backend object over the Triton launchers (see ``services.kernels.backend``); the
+    dense ops (linear, SiLU x mul) stay torch's: cuBLAS and one fused torch op serve them."""
 
     name = "triton"
     write_kv = staticmethod(write_kv)
@@ -54,5 +55,3 @@ class TritonBackend:
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     sample = staticmethod(sample)
-    linear = staticmethod(linear)
-    silu_mul = staticmethod(silu_mul)
