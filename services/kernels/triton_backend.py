@@ -47,7 +47,7 @@ def attention(
 
 class TritonBackend(TorchBackend):
     """Backend object over the Triton launchers (see ``services.kernels.backend``); the
-    dense ops (linear, SiLU x mul) stay torch's: cuBLAS and one fused torch op serve them."""
+    dense ops (linear, SiLU x mul) stay torch's (cuBLAS and elementwise torch ops)."""
 
     name = "triton"
     write_kv = staticmethod(write_kv)
