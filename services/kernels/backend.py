@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from services.kernels.metadata import AttentionMetadata, SamplingTensors
+from services.kernels.metadata import AttentionMetadata, DecoderStack, SamplingTensors
 
 
 class Backend(Protocol):
@@ -70,6 +70,18 @@ class Backend(Protocol):
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] = (gate | up) -> silu(gate) * up [T, I]."""
+
+    def decode_stack(
+        self,
+        stack: DecoderStack,
+        positions: torch.Tensor,  # [B] int64
+        hidden: torch.Tensor,  # [B, H], the embeddings of the B new tokens
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,  # B sequences, one new token each
+    ) -> torch.Tensor | None:
+        """A whole decode step: the final-normed hidden states [B, H] with every layer's
+        K/V written, or None when this backend has no such path for these inputs (the
+        model then runs its layers op by op; the results must agree)."""
 
 
 def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "",

@@ -11,6 +11,9 @@ op of the same contract, so the backend is always complete.
   oneDNN's fp32 GEMM for 8 rows or more (5-25 % faster than MKL's on the shapes of a
   decode step on this AMD CPU, where MKL does not use its AVX-512 path); F.linear between.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
+- A pure decode step of up to GEMV_MAX_ROWS sequences at one thread runs the whole decoder
+  stack in one native call (``decode_stack``): op by op, Python dispatch cost about as much
+  as the weight reads.
 Work is split across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
 """
 
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 
 from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
-from services.kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata, DecoderStack
 
 GEMV_MAX_ROWS = 4
 GEMM_MIN_ROWS = 8
@@ -91,6 +94,66 @@ class _AttentionPlan:
             raise ValueError("attention: a block id outside the KV cache")
 
 
+# epd_decode_stack's error codes
+_STACK_ERRORS = {
+    -1: (MemoryError, "decode_stack: out of memory for its scratch"),
+    -2: (IndexError, "rotary: position outside the cos/sin table"),
+    -3: (IndexError, "write_kv: slot outside the KV cache"),
+    -4: (ValueError, "attention: a context longer than its block table, or a block id "
+                     "outside the KV cache"),
+}  # fmt: skip
+
+
+class _StackPointers:
+    """A DecoderStack and KV caches as the native step takes them: a [layers, 14] table of
+    addresses, checked once. Holds the tensors, so the addresses stay valid."""
+
+    def __init__(self, stack: DecoderStack, kv_caches):
+        self.stack, self.kv_caches = stack, kv_caches
+        s = stack
+        hq, hkv, d, hid, inter = (s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_size,
+                                  s.intermediate_size)  # fmt: skip
+        qkvw = (hq + 2 * hkv) * d
+        k0 = kv_caches[0][0]
+        self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
+        cache_shape = (self.num_blocks, self.block_size, hkv, d)
+        rot = s.rope.shape[-1] if s.rope.dim() == 2 else -1
+        self.ok = (
+            len(s.layers) == len(kv_caches) > 0 and _fp32(s.final_norm, s.rope)
+            and 0 < rot <= d and rot % 2 == 0 and s.final_norm.shape == (hid,)
+            and hq % hkv == 0
+        )  # fmt: skip
+        rows = []
+        for w, (kc, vc) in zip(s.layers, kv_caches, strict=False):
+            if not self.ok:
+                break
+            mats = [(w.qkv, qkvw, hid), (w.o, hid, hq * d), (w.gate_up, 2 * inter, hid),
+                    (w.down, hid, inter)]  # fmt: skip
+            vecs = [(w.input_norm, hid), (w.post_norm, hid), (w.qkv_bias, qkvw), (w.o_bias, hid),
+                    (w.gate_up_bias, 2 * inter), (w.down_bias, hid), (w.q_norm, d), (w.k_norm, d)]  # fmt: skip
+            self.ok = (
+                all(m.dtype is _F32 and m.shape == (n, k) and m.stride() == (1, n)
+                    for m, n, k in mats)
+                and all(v is None or (_fp32(v) and v.shape == (n,)) for v, n in vecs)
+                and (w.q_norm is None) == (w.k_norm is None)
+                and _fp32(kc, vc) and kc.shape == vc.shape == cache_shape
+            )  # fmt: skip
+            rows.append([_ptr(w.input_norm), _ptr(w.qkv), _ptr(w.qkv_bias), _ptr(w.q_norm),
+                         _ptr(w.k_norm), _ptr(w.o), _ptr(w.o_bias), _ptr(w.post_norm),
+                         _ptr(w.gate_up), _ptr(w.gate_up_bias), _ptr(w.down), _ptr(w.down_bias),
+                         _ptr(kc), _ptr(vc)])  # fmt: skip
+        self.table = torch.tensor([[p or 0 for p in r] for r in rows], dtype=torch.int64)
+        self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks,
+                     self.block_size]  # fmt: skip
+
+    def matches(self, stack: DecoderStack, kv_caches) -> bool:
+        if stack is not self.stack or len(kv_caches) != len(self.kv_caches):
+            return False
+        return all(
+            a[0] is b[0] and a[1] is b[1] for a, b in zip(kv_caches, self.kv_caches, strict=True)
+        )
+
+
 class CpuBackend:
     """Backend object (see ``services.kernels.backend``) over the native CPU kernels."""
 
@@ -104,6 +167,7 @@ class CpuBackend:
         self._checked_positions: tuple[weakref.ref | None, int] = (None, 0)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
+        self._stack: _StackPointers | None = None
 
     @classmethod
     def create(cls, kernel_cache_dir: str = "", compiler: str = "cc") -> CpuBackend | None:
@@ -166,6 +230,42 @@ class CpuBackend:
         if plan.sdpa:
             ref.extend_rows(query, k_cache, v_cache, meta, scale, out, plan.starts,
                             min_context=NATIVE_EXTEND_MAX + 1)  # fmt: skip
+        return out
+
+    # -- whole decode step -----------------------------------------------------------
+    def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta):
+        m = hidden.shape[0]
+        if (
+            m == 0 or m > GEMV_MAX_ROWS or torch.get_num_threads() != 1
+            or meta.max_query_len != 1 or meta.num_seqs != m or hidden.dim() != 2
+            or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size
+        ):  # fmt: skip
+            return None
+        if self._stack is None or not self._stack.matches(stack, kv_caches):
+            self._stack = _StackPointers(stack, kv_caches)
+        sp = self._stack
+        if not sp.ok:
+            return None
+        pos = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        if (
+            pos.numel() != m or slots.numel() != m or lens.numel() != m or tables.dim() != 2
+            or tables.shape[0] < m
+        ):  # fmt: skip
+            return None
+        dims = torch.tensor([m, *sp.dims, tables.stride(0), tables.shape[1], len(stack.layers)],
+                            dtype=torch.int64)  # fmt: skip
+        out = torch.empty_like(hidden)
+        rc = self.lib.epd_decode_stack(
+            _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope),
+            _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims), stack.eps,
+            stack.head_dim**-0.5,
+        )  # fmt: skip
+        if rc:
+            exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
+            raise exc(msg)
         return out
 
     def sample(self, logits: torch.Tensor, t) -> torch.Tensor:

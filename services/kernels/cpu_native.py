@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "epd_cpu.c", CSRC / "epd_attention.c"]
+SOURCES = [CSRC / "epd_cpu.c", CSRC / "epd_attention.c", CSRC / "epd_decode.c"]
 HEADERS = [CSRC / "epd_common.h"]
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 
@@ -31,6 +31,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "epd_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64,
                                             _I64, _I64, _I64, _F]),
+    "epd_decode_stack": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F]),
     "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
     "epd_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F]),

@@ -1,4 +1,5 @@
-"""Per-step attention inputs shared by every layer and every backend."""
+"""Per-step inputs shared by every layer and every backend, and the weights of a decoder
+stack as a backend that runs a whole decode step in one call sees them."""
 
 from __future__ import annotations
 
@@ -65,3 +66,41 @@ class SamplingTensors:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One Llama-family layer. Linear weights are [out, in] as ``F.linear`` takes them;
+    the fused projections are qkv (q | k | v) and gate_up (gate | up)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # per-head RMSNorm of q and k (Qwen3), else None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class DecoderStack:
+    """A Llama-family decoder stack: its layers, final norm and rotary table (NeoX style).
+
+    Every RMSNorm of the stack uses ``eps``; the activation is SiLU. A model builds this
+    once after loading; ``Backend.decode_stack`` may run a whole decode step from it.
+    """
+
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor
+    rope: torch.Tensor  # [max_positions, rot_dim]: cos | sin
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int

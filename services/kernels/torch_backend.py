@@ -260,3 +260,7 @@ class TorchBackend:
     sample = staticmethod(sample)
     linear = staticmethod(linear)
     silu_mul = staticmethod(silu_mul)
+
+    @staticmethod
+    def decode_stack(stack, positions, hidden, kv_caches, meta) -> None:
+        return None  # no fused step: torch ops are already one call per layer op

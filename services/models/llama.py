@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from services.kernels.backend import Backend
-from services.kernels.metadata import AttentionMetadata, OutputRows
+from services.kernels.metadata import (
+    AttentionMetadata,
+    DecoderLayerWeights,
+    DecoderStack,
+    OutputRows,
+)
 from services.models.loader import CheckpointError, copy_param
 from services.models.rope import cos_sin_cache
 
@@ -123,15 +128,53 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.stack: DecoderStack | None = None  # built on first use, after loading
 
     def forward(self, positions, h, kv_caches, meta, rope, keep: OutputRows | None = None):
         """Hidden states of every row, or of the ``keep`` rows only (see ``OutputRows``)."""
+        if keep is None and meta.is_decode_only:
+            out = self.backend.decode_stack(self._stack(rope), positions, h, kv_caches, meta)
+            if out is not None:
+                return out
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(positions, h, residual, kv, meta, rope, keep if i == last else None)
         h, _ = self.backend.rms_norm(h, self.norm.weight, self.norm.eps, residual)
         return h
+
+    def _stack(self, rope: torch.Tensor) -> DecoderStack:
+        if self.stack is None or self.stack.rope is not rope:
+            self.stack = DecoderStack(
+                layers=[_layer_weights(layer) for layer in self.layers],
+                final_norm=self.norm.weight,
+                rope=rope,
+                eps=self.norm.eps,
+                num_heads=self.layers[0].self_attn.num_heads,
+                num_kv_heads=self.layers[0].self_attn.num_kv_heads,
+                head_dim=self.layers[0].self_attn.head_dim,
+                hidden_size=self.embed_tokens.embedding_dim,
+                intermediate_size=self.layers[0].mlp.inter,
+            )
+        return self.stack
+
+
+def _layer_weights(layer: DecoderLayer) -> DecoderLayerWeights:
+    a, mlp = layer.self_attn, layer.mlp
+    return DecoderLayerWeights(
+        input_norm=layer.input_layernorm.weight,
+        qkv=a.qkv_proj.weight,
+        qkv_bias=a.qkv_proj.bias,
+        q_norm=a.q_norm.weight if a.q_norm is not None else None,
+        k_norm=a.k_norm.weight if a.k_norm is not None else None,
+        o=a.o_proj.weight,
+        o_bias=a.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=mlp.gate_up_proj.weight,
+        gate_up_bias=mlp.gate_up_proj.bias,
+        down=mlp.down_proj.weight,
+        down_bias=mlp.down_proj.bias,
+    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF names (``model.layers.0.self_attn.q_proj.weight`` ...) into fused params."""
+        self.model.stack = None
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in weights:

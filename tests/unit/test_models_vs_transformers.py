@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from services import LLM, SamplingParams
 from tests.helpers.checkpoints import (
@@ -48,9 +49,23 @@ def _greedy(**kw):
     return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5, **kw)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.fixture
+def threads(request):
+    """Torch's thread count for the test (None: leave it); one thread lets the cpu backend
+    run whole decode steps natively (``decode_stack``)."""
+    old = torch.get_num_threads()
+    if request.param:
+        torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize(
+    "backend,threads", [("cpu", None), ("cpu", 1), ("torch", None)],
+    ids=["cpu", "cpu-1-thread", "torch"], indirect=["threads"],
+)  # fmt: skip
 @pytest.mark.parametrize("kind", TEXT_ARCHS)
-def test_text_greedy_matches_transformers(kind, backend, ckpt_root):
+def test_text_greedy_matches_transformers(kind, backend, threads, ckpt_root):
     path = make_text_checkpoint(ckpt_root, kind)
     prompts = _prompts()
     hf = load_hf(path)

@@ -51,4 +51,17 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* The kernels one file calls from another (epd_decode.c chains them into a whole step). */
+void epd_gemv_t(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
+                const float *bias, int64_t m, int64_t k, int64_t n);
+void epd_silu_mul(float *out, const float *x, int64_t m, int64_t h);
+void epd_rms_norm(float *out, float *resid_out, const float *x, const float *resid,
+                  const float *w, int64_t m, int64_t h, float eps);
+void epd_rotary(float *q, float *k, const int64_t *pos, const float *cs, int64_t t, int64_t hq,
+                int64_t hkv, int64_t d, int64_t rot, int neox);
+int epd_decode_attention(float *out, const float *q, const float *kc, const float *vc,
+                         const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                         const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
+                         int64_t hkv, int64_t d, int64_t bs, float scale);
+
 #endif

@@ -1,0 +1,153 @@
+"""The cpu backend's whole-step decode (``decode_stack``, csrc/epd_decode.c) against the
+same model run layer by layer: identical hidden states and K/V writes, for every text
+architecture, with biases, per-head q/k norms and head sizes on and off the kernels'
+fast paths; bad indices rejected before the native code reads memory; and the cases it
+leaves to the layer-by-layer path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services import LLM
+from services.kernels.metadata import AttentionMetadata
+from services.kernels.torch_backend import TorchBackend
+from tests.helpers.checkpoints import TEXT_ARCHS, make_text_checkpoint
+
+BLOCK = 4
+
+# (architecture, checkpoint overrides): each reaches a different branch of the native step
+CASES = [(kind, {}) for kind in TEXT_ARCHS] + [
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # o-proj and MLP biases
+    ("qwen3", {"head_dim": 64}),  # the attention kernel's unrolled head size
+]
+
+
+@pytest.fixture
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _llm(tiny_root, kind, over) -> LLM:
+    path = make_text_checkpoint(tiny_root, kind, seed=10 + len(over), **over)
+    llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, attention_backend="cpu")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms are ones in a fresh checkpoint: make them count
+        for name, p in llm.engine.model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    return llm
+
+
+def _step(seq_lens, num_blocks, gen, width_pad=1) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A decode step: one new token per sequence, at the end of its context."""
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    rows, slots, used = [], [], 0
+    width = max(-(-s // BLOCK) for s in seq_lens) + width_pad
+    for s in seq_lens:
+        n = -(-s // BLOCK)
+        row = blocks[used : used + n]
+        used += n
+        slots.append(row[(s - 1) // BLOCK] * BLOCK + (s - 1) % BLOCK)
+        rows.append(row + [0] * (width - n))
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(rows, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=1, max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=list(seq_lens),
+    )  # fmt: skip
+    return meta, torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
+
+
+def _run(model, positions, h, caches, meta, fused: bool):
+    backend = model.model.backend if hasattr(model, "model") else model.backend
+    if fused:
+        return model(positions, h, caches, meta)
+    saved = backend.decode_stack
+    backend.decode_stack = lambda *a: None
+    try:
+        return model(positions, h, caches, meta)
+    finally:
+        backend.decode_stack = saved
+
+
+@pytest.mark.parametrize(
+    "kind,over", CASES, ids=[f"{k}{'-' if o else ''}{'-'.join(o)}" for k, o in CASES]
+)
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_fused_step_matches_layer_by_layer(tiny_root, one_thread, kind, over, rows):
+    llm = _llm(tiny_root, kind, over)
+    model, kv = llm.engine.model, llm.engine.kv
+    gen = torch.Generator().manual_seed(rows)
+    lens = [int(x) for x in torch.randint(1, 40, (rows,), generator=gen)]
+    meta, positions = _step(lens, kv.num_blocks, gen)
+    h = torch.randn(rows, model.config.hidden_size, generator=gen)
+    base = [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
+            for k, v in kv.layers]  # fmt: skip
+    caches_a = [(k.clone(), v.clone()) for k, v in base]
+    caches_b = [(k.clone(), v.clone()) for k, v in base]
+    calls = []
+    lib = llm.engine.backend.lib
+    native = lib.epd_decode_stack
+    with torch.inference_mode():
+        try:
+            lib.epd_decode_stack = lambda *a: calls.append(1) or native(*a)
+            fused = _run(model, positions, h, caches_a, meta, fused=True)
+        finally:
+            lib.epd_decode_stack = native
+        ref = _run(model, positions, h, caches_b, meta, fused=False)
+    assert calls, "the native step did not run"
+    assert torch.equal(fused, ref)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_bad_indices_are_rejected(tiny_root, one_thread):
+    llm = _llm(tiny_root, "llama", {})
+    model, kv = llm.engine.model, llm.engine.kv
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, model.config.hidden_size)
+    caches = [(k.clone(), v.clone()) for k, v in kv.layers]
+    with torch.inference_mode():
+        meta, pos = _step([5, 9], kv.num_blocks, gen)
+        with pytest.raises(IndexError, match="position"):
+            model(torch.tensor([4, 10**6]), h, caches, meta)
+        with pytest.raises(IndexError, match="position"):
+            model(torch.tensor([-1, 8]), h, caches, meta)
+        meta.slot_mapping = torch.tensor([3, kv.num_blocks * BLOCK])
+        with pytest.raises(IndexError, match="slot"):
+            model(pos, h, caches, meta)
+        meta, pos = _step([5, 9], kv.num_blocks, gen)
+        meta.block_tables[1, 0] = kv.num_blocks
+        with pytest.raises(ValueError, match="block"):
+            model(pos, h, caches, meta)
+        meta, pos = _step([5, 9], kv.num_blocks, gen, width_pad=0)
+        meta.seq_lens = torch.tensor([5, 9 + BLOCK], dtype=torch.int32)  # past its table
+        with pytest.raises(ValueError, match="block table"):
+            model(pos, h, caches, meta)
+        # The engine still serves after the rejected steps.
+        meta, pos = _step([5, 9], kv.num_blocks, gen)
+        assert model(pos, h, caches, meta).shape == h.shape
+
+
+def test_left_to_the_layer_path(tiny_root, one_thread):
+    """More rows than the GEMV takes, several threads, or another dtype: no native step."""
+    llm = _llm(tiny_root, "llama", {})
+    model, kv, be = llm.engine.model, llm.engine.kv, llm.engine.backend
+    stack = model.model._stack(model.rope)
+    gen = torch.Generator().manual_seed(0)
+    meta, pos = _step([3] * 5, kv.num_blocks, gen)
+    h = torch.randn(5, model.config.hidden_size)
+    assert be.decode_stack(stack, pos, h, kv.layers, meta) is None
+    meta, pos = _step([3], kv.num_blocks, gen)
+    assert be.decode_stack(stack, pos, h[:1].double(), kv.layers, meta) is None
+    torch.set_num_threads(2)
+    assert be.decode_stack(stack, pos, h[:1], kv.layers, meta) is None
+    torch.set_num_threads(1)
+    assert be.decode_stack(stack, pos, h[:1], kv.layers, meta) is not None
+    assert TorchBackend().decode_stack(stack, pos, h[:1], kv.layers, meta) is None
