@@ -11,8 +11,8 @@ op of the same contract, so the backend is always complete.
   oneDNN's fp32 GEMM for 8 rows or more (5-25 % faster than MKL's on the shapes of a
   decode step on this AMD CPU, where MKL does not use its AVX-512 path); F.linear between.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
-- A pure decode step of up to GEMV_MAX_ROWS sequences at one thread runs the whole decoder
-  stack in one native call (``decode_stack``): op by op, Python dispatch cost about as much
+- A pure decode step of up to GEMV_MAX_ROWS sequences runs the whole decoder stack in one
+  native call per thread (``decode_stack``): op by op, Python dispatch cost about as much
   as the weight reads.
 Work is split across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
 """
@@ -101,6 +101,7 @@ _STACK_ERRORS = {
     -3: (IndexError, "write_kv: slot outside the KV cache"),
     -4: (ValueError, "attention: a context longer than its block table, or a block id "
                      "outside the KV cache"),
+    -5: (RuntimeError, "decode_stack: a thread of the team never joined the step"),
 }  # fmt: skip
 
 
@@ -236,7 +237,7 @@ class CpuBackend:
     def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta):
         m = hidden.shape[0]
         if (
-            m == 0 or m > GEMV_MAX_ROWS or torch.get_num_threads() != 1
+            m == 0 or m > GEMV_MAX_ROWS
             or meta.max_query_len != 1 or meta.num_seqs != m or hidden.dim() != 2
             or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size
         ):  # fmt: skip
@@ -258,11 +259,20 @@ class CpuBackend:
         dims = torch.tensor([m, *sp.dims, tables.stride(0), tables.shape[1], len(stack.layers)],
                             dtype=torch.int64)  # fmt: skip
         out = torch.empty_like(hidden)
-        rc = self.lib.epd_decode_stack(
-            _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope),
-            _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims), stack.eps,
-            stack.head_dim**-0.5,
-        )  # fmt: skip
+        team = torch.get_num_threads()
+        scratch = torch.empty(self.lib.epd_decode_scratch(_ptr(dims), team), dtype=_F32)
+        sync = torch.zeros(3, dtype=torch.int64)  # the team's barrier and error
+        codes = [0] * team
+
+        def run(tid: int, _: int) -> None:
+            codes[tid] = self.lib.epd_decode_stack(
+                _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm),
+                _ptr(stack.rope), _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims),
+                stack.eps, stack.head_dim**-0.5, _ptr(scratch), _ptr(sync), tid, team,
+            )  # fmt: skip
+
+        self._run(run, [(tid, 0) for tid in range(team)])
+        rc = next((c for c in codes if c), 0)
         if rc:
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
             raise exc(msg)

@@ -31,7 +31,9 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "epd_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64,
                                             _I64, _I64, _I64, _F]),
-    "epd_decode_stack": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F]),
+    "epd_decode_stack": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F, _P, _P,
+                                        _I64, _I64]),
+    "epd_decode_scratch": (_I64, [_P, _I64]),
     "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
     "epd_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F]),

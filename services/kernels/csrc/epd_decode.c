@@ -6,9 +6,17 @@
  * dispatch. This file chains the same kernels (epd_gemv_t, epd_rms_norm, epd_rotary,
  * epd_decode_attention, epd_silu_mul) in the same order and on the same buffers' layouts
  * as services/models/llama.py does through the backend, so its results are bitwise those of
- * the op-by-op path at one thread.
+ * the op-by-op path.
+ *
+ * Several threads run a step as a team: every thread calls epd_decode_stack with its index;
+ * each GEMV is split by output columns, the per-row ops (norms, rotary, K/V writes,
+ * attention) by rows, with a barrier between stages. Splitting changes no arithmetic.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield */
 #include "epd_common.h"
+
+#include <sched.h>
+#include <time.h>
 
 /* Per-layer pointers, in this order (0 where a model has no such tensor). Weights are
  * W^T row-major ([in, out]), the layout models keep on CPU. */
@@ -40,68 +48,189 @@ static int check_step(const int64_t *dm, const int64_t *pos, const int64_t *slot
     return 0;
 }
 
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+    const int64_t ab = a > b ? a : b;
+    return ab > c ? ab : c;
+}
+
+/* Floats of scratch a step of dm's sizes needs with a team of nt threads (the caller
+ * allocates it; the team shares it). */
+int64_t epd_decode_scratch(const int64_t *dm, int64_t nt) {
+    const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], inter = dm[D_INTER];
+    const int64_t qs = dm[D_HQ] * dm[D_HEAD], kvs = dm[D_HKV] * dm[D_HEAD];
+    const int64_t own = m * (2 * hid + (qs + 2 * kvs) + qs + kvs + qs + hid + 3 * inter) + 2 * m;
+    const int64_t team = nt > 1 ? nt * m * (max3(qs + 2 * kvs, hid, 2 * inter) + max3(hid, qs, inter)) : 0;
+    return own + team;
+}
+
+#define TEAM_TIMEOUT_S 30.0 /* a teammate this late is gone: fail the step, never hang */
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void team_fail(int64_t *sync, int64_t rc) {
+    int64_t zero = 0; /* the first error wins */
+    __atomic_compare_exchange_n(&sync[2], &zero, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+/* Barrier of nt threads over sync = [arrived, generation, error]; returns the team's error
+ * (0 if none). Spins (the wait is microseconds), then yields the CPU if a teammate runs
+ * late, and gives up after TEAM_TIMEOUT_S. */
+static int64_t team_sync(int64_t *sync, int64_t nt) {
+    if (nt > 1) {
+        const int64_t gen = __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE);
+        if (__atomic_add_fetch(&sync[0], 1, __ATOMIC_ACQ_REL) == nt) {
+            __atomic_store_n(&sync[0], 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&sync[1], gen + 1, __ATOMIC_RELEASE);
+        } else {
+            double t0 = 0.0;
+            for (int64_t spins = 0; __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE) == gen; spins++) {
+                if (spins < 100000) {
+#if defined(__x86_64__) || defined(__i386__)
+                    __builtin_ia32_pause();
+#endif
+                    continue;
+                }
+                sched_yield();
+                if (t0 == 0.0) t0 = seconds();
+                else if (spins % 1024 == 0 && seconds() - t0 > TEAM_TIMEOUT_S) {
+                    team_fail(sync, -5);
+                    break;
+                }
+            }
+        }
+    }
+    return __atomic_load_n(&sync[2], __ATOMIC_ACQUIRE);
+}
+
+/* Scratch of a team's GEMVs: per thread, partial outputs [m, n] and its slice of x. */
+typedef struct {
+    float *part, *xs;
+    int64_t part_stride, xs_stride; /* floats per thread */
+    int64_t *sync;
+} team_t;
+
+/* y[m, :n] = x[m, :k] @ wt (+ bias) by a team. One thread: epd_gemv_t. Several: thread t
+ * streams its own run of wt's k rows into a partial output, then sums every partial over
+ * its own slice of the columns. Splitting the rows keeps each thread's read long and
+ * sequential (a column split cuts every row into short pieces: no faster than one
+ * thread); the sum's order depends on the team's size, so results do too, in the last
+ * bits. */
+static int64_t gemv_team(float *y, const float *x, const float *wt, const float *bias,
+                         int64_t m, int64_t k, int64_t n, const team_t *tm, int64_t tid,
+                         int64_t nt) {
+    if (nt == 1) {
+        epd_gemv_t(y, n, x, wt, n, bias, m, k, n);
+        return 0;
+    }
+    const int64_t lo = k * tid / nt, hi = k * (tid + 1) / nt;
+    float *part = tm->part + tid * tm->part_stride, *xs = tm->xs + tid * tm->xs_stride;
+    for (int64_t r = 0; r < m; r++)
+        memcpy(xs + r * (hi - lo), x + r * k + lo, sizeof(float) * (size_t)(hi - lo));
+    epd_gemv_t(part, n, xs, wt + lo * n, n, NULL, m, hi - lo, n);
+    const int64_t err = team_sync(tm->sync, nt);
+    if (err) return err;
+    const int64_t chunk = ((n + nt - 1) / nt + 15) / 16 * 16;
+    const int64_t c0 = tid * chunk < n ? tid * chunk : n, c1 = c0 + chunk < n ? c0 + chunk : n;
+    for (int64_t r = 0; r < m; r++) {
+        float *yr = y + r * n;
+        for (int64_t j = c0; j < c1; j++) yr[j] = bias ? bias[j] : 0.f;
+        for (int64_t t = 0; t < nt; t++) {
+            const float *pr = tm->part + t * tm->part_stride + r * n;
+            for (int64_t j = c0; j < c1; j++) yr[j] += pr[j];
+        }
+    }
+    return 0;
+}
+
 /* out[m, hidden] = final_norm(stack(h)) for m single-token sequences: row i is the token
  * at pos[i] of the sequence whose block table is tables + i * table_stride, its K/V goes to
  * cache slot slots[i] (negative: not written) and it attends to lens[i] positions. The
- * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. Returns 0; -1 when scratch
- * memory is short; -2, -3, -4 for a position, a slot, a block table/length out of range. */
+ * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. scratch holds
+ * epd_decode_scratch(dm) floats and sync three zeroed int64s, both shared by the nt
+ * threads of the team; this is thread tid. Returns 0; -1 when scratch memory for the
+ * attention is short; -2, -3, -4 for a position, a slot, a block table/length out of
+ * range; -5 when a teammate never came. Every thread of a team returns the same code. */
 int epd_decode_stack(float *out, const float *h, const int64_t *layers, const float *final_norm,
                      const float *cs, const int64_t *pos, const int64_t *slots,
                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
-                     float scale) {
+                     float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
     const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], hq = dm[D_HQ], hkv = dm[D_HKV];
     const int64_t d = dm[D_HEAD], inter = dm[D_INTER], bs = dm[D_BLOCK];
     const int64_t qs = hq * d, kvs = hkv * d, qkvw = qs + 2 * kvs;
-    int rc = check_step(dm, pos, slots, tables, lens);
+    const int rc = check_step(dm, pos, slots, tables, lens); /* same verdict on every thread */
     if (rc) return rc;
 
-    const int64_t need = m * (2 * hid + qkvw + qs + kvs + qs + hid + 3 * inter) + 2 * m;
-    float *buf = malloc(sizeof(float) * (size_t)need);
-    if (!buf) return -1;
-    float *resid = buf, *x = resid + m * hid, *qkv = x + m * hid, *q = qkv + m * qkvw;
+    float *resid = scratch, *x = resid + m * hid, *qkv = x + m * hid, *q = qkv + m * qkvw;
     float *k = q + m * qs, *att = k + m * kvs, *o = att + m * qs, *gu = o + m * hid;
     float *act = gu + m * 2 * inter;
-    int64_t *rows = (int64_t *)(act + m * inter); /* 0 .. m-1: query row = table row */
-    for (int64_t i = 0; i < m; i++) rows[i] = i;
+    int64_t *rows = (int64_t *)(act + m * inter); /* rows[i] = i: query row = table row */
+    const int64_t pstride = m * max3(qkvw, hid, 2 * inter), xstride = m * max3(hid, qs, inter);
+    const team_t tm = {(float *)(rows + m), (float *)(rows + m) + nt * pstride, pstride, xstride,
+                       sync};
+    for (int64_t i = tid; i < m; i += nt) rows[i] = i;
+    int64_t err = 0;
 
     const float *cur = h; /* the layer's input: the embeddings, then each MLP's output */
     for (int64_t l = 0; l < dm[D_LAYERS]; l++) {
         const int64_t *L = layers + l * L_NPTR;
-        if (l == 0) { /* the residual stream starts as the embeddings */
-            memcpy(resid, h, sizeof(float) * (size_t)(m * hid));
-            epd_rms_norm(x, NULL, h, NULL, P(L, L_IN_NORM), m, hid, eps);
-        } else {
-            epd_rms_norm(x, resid, cur, resid, P(L, L_IN_NORM), m, hid, eps);
+        for (int64_t i = tid; i < m; i += nt) {
+            if (l == 0) { /* the residual stream starts as the embeddings */
+                memcpy(resid + i * hid, h + i * hid, sizeof(float) * (size_t)hid);
+                epd_rms_norm(x + i * hid, NULL, h + i * hid, NULL, P(L, L_IN_NORM), 1, hid, eps);
+            } else {
+                epd_rms_norm(x + i * hid, resid + i * hid, cur + i * hid, resid + i * hid,
+                             P(L, L_IN_NORM), 1, hid, eps);
+            }
         }
-        epd_gemv_t(qkv, qkvw, x, P(L, L_QKV_WT), qkvw, P(L, L_QKV_B), m, hid, qkvw);
-        for (int64_t i = 0; i < m; i++) {
-            memcpy(q + i * qs, qkv + i * qkvw, sizeof(float) * (size_t)qs);
-            memcpy(k + i * kvs, qkv + i * qkvw + qs, sizeof(float) * (size_t)kvs);
-        }
-        if (L[L_Q_NORM]) {
-            epd_rms_norm(q, NULL, q, NULL, P(L, L_Q_NORM), m * hq, d, eps);
-            epd_rms_norm(k, NULL, k, NULL, P(L, L_K_NORM), m * hkv, d, eps);
-        }
-        epd_rotary(q, k, pos, cs, m, hq, hkv, d, dm[D_ROT], 1);
+        if ((err = team_sync(sync, nt))) break;
+        if ((err = gemv_team(qkv, x, P(L, L_QKV_WT), P(L, L_QKV_B), m, hid, qkvw, &tm, tid, nt)) ||
+            (err = team_sync(sync, nt)))
+            break;
         float *kc = (float *)(intptr_t)L[L_K_CACHE], *vc = (float *)(intptr_t)L[L_V_CACHE];
-        for (int64_t i = 0; i < m; i++) {
-            if (slots[i] < 0) continue;
-            memcpy(kc + slots[i] * kvs, k + i * kvs, sizeof(float) * (size_t)kvs);
-            memcpy(vc + slots[i] * kvs, qkv + i * qkvw + qs + kvs, sizeof(float) * (size_t)kvs);
+        for (int64_t i = tid; i < m; i += nt) {
+            float *qi = q + i * qs, *ki = k + i * kvs;
+            const float *vi = qkv + i * qkvw + qs + kvs;
+            memcpy(qi, qkv + i * qkvw, sizeof(float) * (size_t)qs);
+            memcpy(ki, qkv + i * qkvw + qs, sizeof(float) * (size_t)kvs);
+            if (L[L_Q_NORM]) {
+                epd_rms_norm(qi, NULL, qi, NULL, P(L, L_Q_NORM), hq, d, eps);
+                epd_rms_norm(ki, NULL, ki, NULL, P(L, L_K_NORM), hkv, d, eps);
+            }
+            epd_rotary(qi, ki, pos + i, cs, 1, hq, hkv, d, dm[D_ROT], 1);
+            if (slots[i] >= 0) {
+                memcpy(kc + slots[i] * kvs, ki, sizeof(float) * (size_t)kvs);
+                memcpy(vc + slots[i] * kvs, vi, sizeof(float) * (size_t)kvs);
+            }
+            if (epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE], lens + i, rows + i,
+                                     rows + i, 1, hq, hkv, d, bs, scale))
+                team_fail(sync, -1);
         }
-        if (epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE], lens, rows, rows,
-                                 m, hq, hkv, d, bs, scale)) {
-            free(buf);
-            return -1;
-        }
-        epd_gemv_t(o, hid, att, P(L, L_O_WT), hid, P(L, L_O_B), m, qs, hid);
-        epd_rms_norm(x, resid, o, resid, P(L, L_POST_NORM), m, hid, eps);
-        epd_gemv_t(gu, 2 * inter, x, P(L, L_GU_WT), 2 * inter, P(L, L_GU_B), m, hid, 2 * inter);
-        epd_silu_mul(act, gu, m, inter);
-        epd_gemv_t(o, hid, act, P(L, L_DOWN_WT), hid, P(L, L_DOWN_B), m, inter, hid);
+        if ((err = team_sync(sync, nt))) break;
+        if ((err = gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt)) ||
+            (err = team_sync(sync, nt)))
+            break;
+        for (int64_t i = tid; i < m; i += nt)
+            epd_rms_norm(x + i * hid, resid + i * hid, o + i * hid, resid + i * hid,
+                         P(L, L_POST_NORM), 1, hid, eps);
+        if ((err = team_sync(sync, nt))) break;
+        if ((err = gemv_team(gu, x, P(L, L_GU_WT), P(L, L_GU_B), m, hid, 2 * inter, &tm, tid, nt)) ||
+            (err = team_sync(sync, nt)))
+            break;
+        for (int64_t i = tid; i < m; i += nt)
+            epd_silu_mul(act + i * inter, gu + i * 2 * inter, 1, inter);
+        if ((err = team_sync(sync, nt))) break;
+        if ((err = gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt)) ||
+            (err = team_sync(sync, nt)))
+            break;
         cur = o;
     }
-    epd_rms_norm(out, resid, cur, resid, final_norm, m, hid, eps);
-    free(buf);
+    if (err) return (int)err;
+    for (int64_t i = tid; i < m; i += nt)
+        epd_rms_norm(out + i * hid, resid + i * hid, cur + i * hid, resid + i * hid, final_norm, 1,
+                     hid, eps);
     return 0;
 }
