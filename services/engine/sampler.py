@@ -57,13 +57,18 @@ def mask_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def sampling_tensors(reqs: list[Request], seeds: list[int], device) -> SamplingTensors:
     sps = [r.sampling_params for r in reqs]
     temp = [0.0 if sp.greedy else sp.temperature for sp in sps]
+    # Three tensors (rows of the float and int64 ones are the fields): every step builds
+    # these, and each torch.tensor / host-to-device copy costs more than its contents.
+    floats = torch.tensor([temp, [sp.top_p for sp in sps], [sp.min_p for sp in sps]],
+                          dtype=torch.float32).to(device)  # fmt: skip
+    ints = torch.tensor([seeds, [r.num_tokens for r in reqs]], dtype=torch.int64).to(device)
     return SamplingTensors(
-        temperature=torch.tensor(temp, dtype=torch.float32, device=device),
+        temperature=floats[0],
         top_k=torch.tensor([sp.top_k for sp in sps], dtype=torch.int32, device=device),
-        top_p=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=device),
-        min_p=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32, device=device),
-        seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-        positions=torch.tensor([r.num_tokens for r in reqs], dtype=torch.int64, device=device),
+        top_p=floats[1],
+        min_p=floats[2],
+        seeds=ints[0],
+        positions=ints[1],
         all_greedy=all(t == 0.0 for t in temp),
         no_top_k=all(sp.top_k == 0 for sp in sps),
         no_top_p=all(sp.top_p >= 1.0 for sp in sps),

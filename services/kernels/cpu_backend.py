@@ -20,6 +20,7 @@ Work is split across ``torch.get_num_threads()`` threads (ctypes releases the GI
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,8 +110,8 @@ class _StackPointers:
     """A DecoderStack and KV caches as the native step takes them: a [layers, 14] table of
     addresses, checked once. Holds the tensors, so the addresses stay valid."""
 
-    def __init__(self, stack: DecoderStack, kv_caches):
-        self.stack, self.kv_caches = stack, kv_caches
+    def __init__(self, stack: DecoderStack, kv_caches, lib: ctypes.CDLL):
+        self.stack, self.kv_caches, self.lib = stack, kv_caches, lib
         s = stack
         hq, hkv, d, hid, inter = (s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_size,
                                   s.intermediate_size)  # fmt: skip
@@ -147,6 +148,22 @@ class _StackPointers:
         self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks,
                      self.block_size]  # fmt: skip
 
+        self._buffers: tuple | None = None
+
+    def buffers(self, m: int, tables: torch.Tensor, team: int):
+        """(sizes, scratch, barrier) of a step, kept while the step's shape recurs: a team
+        leaves its barrier at zero arrivals and no error, ready for the next step."""
+        key = (m, tables.stride(0), tables.shape[1], team)
+        if self._buffers is None or self._buffers[0] != key:
+            dims = torch.tensor([m, *self.dims, key[1], key[2], len(self.stack.layers)],
+                                dtype=torch.int64)  # fmt: skip
+            scratch = torch.empty(self.lib.epd_decode_scratch(_ptr(dims), team), dtype=_F32)
+            self._buffers = (key, dims, scratch, torch.zeros(3, dtype=torch.int64))
+        return self._buffers[1:]
+
+    def drop_buffers(self) -> None:
+        self._buffers = None
+
     def matches(self, stack: DecoderStack, kv_caches) -> bool:
         if stack is not self.stack or len(kv_caches) != len(self.kv_caches):
             return False
@@ -169,6 +186,9 @@ class CpuBackend:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._stack: _StackPointers | None = None
+        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1
+        )  # fmt: skip
 
     @classmethod
     def create(cls, kernel_cache_dir: str = "", compiler: str = "cc") -> CpuBackend | None:
@@ -243,7 +263,7 @@ class CpuBackend:
         ):  # fmt: skip
             return None
         if self._stack is None or not self._stack.matches(stack, kv_caches):
-            self._stack = _StackPointers(stack, kv_caches)
+            self._stack = _StackPointers(stack, kv_caches, self.lib)
         sp = self._stack
         if not sp.ok:
             return None
@@ -256,12 +276,10 @@ class CpuBackend:
             or tables.shape[0] < m
         ):  # fmt: skip
             return None
-        dims = torch.tensor([m, *sp.dims, tables.stride(0), tables.shape[1], len(stack.layers)],
-                            dtype=torch.int64)  # fmt: skip
+        # A team waits at a barrier for its slowest thread: never more threads than CPUs.
+        team = max(1, min(torch.get_num_threads(), self._cpus))
+        dims, scratch, sync = sp.buffers(m, tables, team)
         out = torch.empty_like(hidden)
-        team = torch.get_num_threads()
-        scratch = torch.empty(self.lib.epd_decode_scratch(_ptr(dims), team), dtype=_F32)
-        sync = torch.zeros(3, dtype=torch.int64)  # the team's barrier and error
         codes = [0] * team
 
         def run(tid: int, _: int) -> None:
@@ -274,6 +292,7 @@ class CpuBackend:
         self._run(run, [(tid, 0) for tid in range(team)])
         rc = next((c for c in codes if c), 0)
         if rc:
+            sp.drop_buffers()  # the barrier may be mid-count: never reuse it
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
             raise exc(msg)
         return out

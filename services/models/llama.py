@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.kernels.backend import Backend
@@ -196,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         _column_major_linears(self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return F.embedding(input_ids, self.model.embed_tokens.weight)  # no module-call overhead
 
     def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None) -> torch.Tensor:
         return self.model(positions, inputs_embeds, kv_caches, meta, self.rope, keep)

@@ -33,7 +33,7 @@ def one_thread():
 
 @pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
 def threads(request):
-    """A team of 3 on this 2-core machine: teammates wait for a CPU, still in step."""
+    """Torch's thread count; the team is capped at the CPUs this process may use."""
     old = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param

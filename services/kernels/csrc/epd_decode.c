@@ -12,10 +12,9 @@
  * each GEMV is split by output columns, the per-row ops (norms, rotary, K/V writes,
  * attention) by rows, with a barrier between stages. Splitting changes no arithmetic.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
 #include "epd_common.h"
 
-#include <sched.h>
 #include <time.h>
 
 /* Per-layer pointers, in this order (0 where a model has no such tensor). Weights are
@@ -77,8 +76,9 @@ static void team_fail(int64_t *sync, int64_t rc) {
 }
 
 /* Barrier of nt threads over sync = [arrived, generation, error]; returns the team's error
- * (0 if none). Spins (the wait is microseconds), then yields the CPU if a teammate runs
- * late, and gives up after TEAM_TIMEOUT_S. */
+ * (0 if none). Spins first (a stage ends within microseconds of its neighbours'), then
+ * sleeps in short naps so that a teammate without a CPU of its own can run, and gives up
+ * after TEAM_TIMEOUT_S. */
 static int64_t team_sync(int64_t *sync, int64_t nt) {
     if (nt > 1) {
         const int64_t gen = __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE);
@@ -86,17 +86,18 @@ static int64_t team_sync(int64_t *sync, int64_t nt) {
             __atomic_store_n(&sync[0], 0, __ATOMIC_RELAXED);
             __atomic_store_n(&sync[1], gen + 1, __ATOMIC_RELEASE);
         } else {
+            const struct timespec nap = {0, 20000};
             double t0 = 0.0;
             for (int64_t spins = 0; __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE) == gen; spins++) {
-                if (spins < 100000) {
+                if (spins < 2000) {
 #if defined(__x86_64__) || defined(__i386__)
                     __builtin_ia32_pause();
 #endif
                     continue;
                 }
-                sched_yield();
+                nanosleep(&nap, NULL);
                 if (t0 == 0.0) t0 = seconds();
-                else if (spins % 1024 == 0 && seconds() - t0 > TEAM_TIMEOUT_S) {
+                else if (spins % 64 == 0 && seconds() - t0 > TEAM_TIMEOUT_S) {
                     team_fail(sync, -5);
                     break;
                 }
