@@ -2,6 +2,7 @@
 
     python bench/engine_throughput.py            # full run, about 18 minutes here
     python bench/engine_throughput.py --quick    # smoke run, under a minute
+    python bench/engine_throughput.py --only batch1 --threads 2   # one part, other threads
 
 Everything runs at ``torch.set_num_threads(1)`` in one process, on the same weights
 (written once with ``save_pretrained``), with the systems alternating round by round so
@@ -266,9 +267,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache/epd-serve/bench"))
+    ap.add_argument("--only", action="append", choices=["w1", "w2", "batch1"],
+                    help="run only these parts (repeatable); default: all")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (the goals are stated at 1)")  # fmt: skip
     args = ap.parse_args()
     s = QUICK if args.quick else Sizes()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     root = Path(args.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     path = ensure_checkpoint(root)
@@ -282,7 +287,9 @@ def main() -> None:
     run_ours(llm, [[1000 + i for i in range(16)]] * 2, [4, 4])  # warm-up
     hf_padded(hf, [[1000 + i for i in range(16)]] * 2, 4)
     t0 = time.perf_counter()
-    met = bench_w1(llm, hf, s) + bench_w2(llm, hf, s) + bench_batch1(llm, s)
+    parts = {"w1": lambda: bench_w1(llm, hf, s), "w2": lambda: bench_w2(llm, hf, s),
+             "batch1": lambda: bench_batch1(llm, s)}  # fmt: skip
+    met = [ok for name, run in parts.items() if not args.only or name in args.only for ok in run()]
     print(f"goals met: {sum(met)}/{len(met)}; benchmark took {time.perf_counter() - t0:.0f} s")
 
 
