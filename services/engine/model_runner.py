@@ -144,10 +144,22 @@ class ModelRunner:
         hidden = self.model(step.positions, embeds, self.kv.layers, step.attn, step.out_rows)
         if not step.sampling:
             return StepOutput({}, {})
+        ids = [r.request_id for r in step.sampling]
+        if all(_plain_greedy(r) for r in step.sampling):  # the logits' argmax is all it needs
+            tokens = self.model.greedy_tokens(hidden)
+            return StepOutput(dict(zip(ids, tokens.tolist(), strict=True)), {})
         logits = self.model.compute_logits(hidden)
         seeds = [self.seeds.get(r.request_id, 0) for r in step.sampling]
         tokens, lps = sample(logits, step.sampling, seeds, self.backend)
-        ids = [r.request_id for r in step.sampling]
         sampled = dict(zip(ids, tokens.tolist(), strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, lps, strict=True) if lp is not None}
         return StepOutput(sampled, logprobs)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy with no logprobs and nothing that edits the logits (penalties, min_tokens)."""
+    sp = req.sampling_params
+    return (
+        sp.greedy and sp.logprobs is None and not sp.has_penalties
+        and req.num_output_tokens >= sp.min_tokens
+    )  # fmt: skip

@@ -71,6 +71,14 @@ class Backend(Protocol):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] = (gate | up) -> silu(gate) * up [T, I]."""
 
+    def greedy_head(
+        self,
+        x: torch.Tensor,  # [T, K], hidden states
+        weight: torch.Tensor,  # [V, K], the LM head
+    ) -> torch.Tensor:  # [T] int64
+        """argmax(x @ weight.T) per row, the first index on ties: what ``linear`` then
+        ``sample`` give for greedy rows, for a step that needs nothing else of the logits."""
+
     def decode_stack(
         self,
         stack: DecoderStack,

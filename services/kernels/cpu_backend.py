@@ -297,9 +297,21 @@ class CpuBackend:
             raise exc(msg)
         return out
 
-    def sample(self, logits: torch.Tensor, t) -> torch.Tensor:
-        if not t.all_greedy or logits.dim() != 2 or not _fp32(logits):
-            return ref.sample(logits, t)
+    def greedy_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows, (n, k) = x.shape[0], weight.shape
+        if (
+            x.dim() != 2 or rows > GEMV_MAX_ROWS or torch.get_num_threads() != 1
+            or weight.dtype != _F32 or weight.stride() != (1, n) or not _fp32(x)
+        ):  # fmt: skip
+            return self._argmax(self.linear(x, weight).float())
+        out = torch.empty(rows, dtype=torch.int64)
+        if self.lib.epd_gemv_argmax(_ptr(out), _ptr(x), _ptr(weight.t()), rows, k, n):
+            raise MemoryError("greedy_head: out of memory for the logits")
+        return out
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 2 or not _fp32(logits):
+            return logits.argmax(dim=-1)
         m, n = logits.shape
         out = torch.empty(m, dtype=torch.int64)
 
@@ -308,6 +320,11 @@ class CpuBackend:
 
         self._run(run, self._split(m, 8))
         return out
+
+    def sample(self, logits: torch.Tensor, t) -> torch.Tensor:
+        if not t.all_greedy or logits.dim() != 2 or not _fp32(logits):
+            return ref.sample(logits, t)
+        return self._argmax(logits)
 
     # -- dense ops ------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -249,6 +249,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.temperature > 0, sampled, greedy)
 
 
+def greedy_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear(x, weight).float().argmax(dim=-1)
+
+
 class TorchBackend:
     """Backend object over the functions above (see ``services.kernels.backend``)."""
 
@@ -260,6 +264,7 @@ class TorchBackend:
     sample = staticmethod(sample)
     linear = staticmethod(linear)
     silu_mul = staticmethod(silu_mul)
+    greedy_head = staticmethod(greedy_head)
 
     @staticmethod
     def decode_stack(stack, positions, hidden, kv_caches, meta) -> None:

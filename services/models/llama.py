@@ -203,8 +203,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(positions, inputs_embeds, kv_caches, meta, self.rope, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
-        return self.model.backend.linear(hidden, head).float()
+        return self.model.backend.linear(hidden, self._head()).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of ``compute_logits(hidden)`` per row, without returning the logits."""
+        return self.model.backend.greedy_head(hidden, self._head())
+
+    def _head(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie else self.lm_head.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF names (``model.layers.0.self_attn.q_proj.weight`` ...) into fused params."""

@@ -128,6 +128,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.greedy_tokens(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = dict(weights)
         text = []

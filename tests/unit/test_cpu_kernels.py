@@ -152,6 +152,23 @@ def test_greedy_sampling_is_torch_argmax(be, threads):
     assert torch.equal(be.sample(logits, t), logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize("layout", ["column-major", "row-major"])
+def test_greedy_head_is_the_logits_argmax(be, threads, rows, layout):
+    """One native call at one thread (GEMV rows, W^T); linear + argmax otherwise."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(3001, 70, generator=gen)
+    w[1500] = w[7]  # a tie between two vocabulary rows: the first index wins
+    if layout == "column-major":
+        w = w.t().contiguous().t()
+    x = torch.randn(rows, 70, generator=gen)
+    x[0] = w[7] * 10  # row 0's top logit is the tie
+    want = be.linear(x, w).argmax(dim=-1)
+    assert want[0] == 7
+    assert torch.equal(be.greedy_head(x, w), want)
+    assert torch.equal(ref.greedy_head(x, w), F.linear(x, w).argmax(dim=-1))
+
+
 def test_other_dtypes_fall_back_to_torch(be):
     x = torch.randn(5, 2 * 8, dtype=torch.bfloat16)
     assert torch.equal(be.silu_mul(x), ref.silu_mul(x))

@@ -78,6 +78,10 @@ def test_text_greedy_matches_transformers(kind, backend, threads, ckpt_root):
     _check(again, refs)
     assert sum(o.num_cached_tokens for o in again) > 0
     assert llm.engine.block_manager.prefix_hit_tokens > 0
+    # Without logprobs a greedy step takes the head's argmax directly (greedy_head).
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0, max_tokens=MAX_NEW))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in plain] == [ids for ids, _ in refs]
 
 
 def test_chunked_prefill_and_shared_prefixes(ckpt_root):

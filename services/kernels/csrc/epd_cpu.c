@@ -130,3 +130,15 @@ void epd_argmax(int64_t *out, const float *x, int64_t m, int64_t n) {
         out[r] = at == INT64_MAX ? 0 : at;
     }
 }
+
+/* out[r] = argmax of x[r, :k] @ wt[:k, :n]: greedy tokens straight from the LM head, the
+ * logits never leaving this call. Returns 0, or -1 when the logits' scratch is short. */
+int epd_gemv_argmax(int64_t *out, const float *x, const float *wt, int64_t m, int64_t k,
+                    int64_t n) {
+    float *y = malloc(sizeof(float) * (size_t)(m * n));
+    if (!y) return -1;
+    epd_gemv_t(y, n, x, wt, n, NULL, m, k, n);
+    epd_argmax(out, y, m, n);
+    free(y);
+    return 0;
+}
