@@ -5,12 +5,12 @@
  * issued op by op from Python, the ~10 ops of each layer cost about as much again in
  * dispatch. This file chains the same kernels (epd_gemv_t, epd_rms_norm, epd_rotary,
  * epd_decode_attention, epd_silu_mul) in the same order and on the same buffers' layouts
- * as services/models/llama.py does through the backend, so its results are bitwise those of
- * the op-by-op path.
+ * as services/models/llama.py does through the backend, so at one thread its results are
+ * bitwise those of the op-by-op path.
  *
  * Several threads run a step as a team: every thread calls epd_decode_stack with its index;
- * each GEMV is split by output columns, the per-row ops (norms, rotary, K/V writes,
- * attention) by rows, with a barrier between stages. Splitting changes no arithmetic.
+ * each GEMV is split by weight rows (see gemv_team), the per-row ops (norms, rotary, K/V
+ * writes, attention) by sequence, with a barrier between stages.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
 #include "epd_common.h"
@@ -151,10 +151,10 @@ static int64_t gemv_team(float *y, const float *x, const float *wt, const float 
  * at pos[i] of the sequence whose block table is tables + i * table_stride, its K/V goes to
  * cache slot slots[i] (negative: not written) and it attends to lens[i] positions. The
  * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. scratch holds
- * epd_decode_scratch(dm) floats and sync three zeroed int64s, both shared by the nt
- * threads of the team; this is thread tid. Returns 0; -1 when scratch memory for the
- * attention is short; -2, -3, -4 for a position, a slot, a block table/length out of
- * range; -5 when a teammate never came. Every thread of a team returns the same code. */
+ * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync three int64s, zeroed or as a
+ * successful step left them; the nt threads of the team share both; this is thread tid.
+ * Returns 0; -1 when scratch memory for the attention is short; -2, -3, -4 for a position,
+ * a slot, a block table/length out of range; -5 when a teammate never came. */
 int epd_decode_stack(float *out, const float *h, const int64_t *layers, const float *final_norm,
                      const float *cs, const int64_t *pos, const int64_t *slots,
                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
@@ -165,13 +165,12 @@ int epd_decode_stack(float *out, const float *h, const int64_t *layers, const fl
     const int rc = check_step(dm, pos, slots, tables, lens); /* same verdict on every thread */
     if (rc) return rc;
 
-    float *resid = scratch, *x = resid + m * hid, *qkv = x + m * hid, *q = qkv + m * qkvw;
+    int64_t *rows = (int64_t *)scratch; /* rows[i] = i: query row = table row (aligned first) */
+    float *resid = scratch + 2 * m, *x = resid + m * hid, *qkv = x + m * hid, *q = qkv + m * qkvw;
     float *k = q + m * qs, *att = k + m * kvs, *o = att + m * qs, *gu = o + m * hid;
     float *act = gu + m * 2 * inter;
-    int64_t *rows = (int64_t *)(act + m * inter); /* rows[i] = i: query row = table row */
     const int64_t pstride = m * max3(qkvw, hid, 2 * inter), xstride = m * max3(hid, qs, inter);
-    const team_t tm = {(float *)(rows + m), (float *)(rows + m) + nt * pstride, pstride, xstride,
-                       sync};
+    const team_t tm = {act + m * inter, act + m * inter + nt * pstride, pstride, xstride, sync};
     for (int64_t i = tid; i < m; i += nt) rows[i] = i;
     int64_t err = 0;
 
