@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -43,6 +45,20 @@ _SIGNATURES = {
 }  # fmt: skip
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
+    """Address of element ``offset`` of t (None for None), as the kernels take it."""
+    return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def fp32(*ts: torch.Tensor) -> bool:
+    """Every tensor fp32, on CPU and contiguous: what the kernels read."""
+    # A loop, not all(<genexpr>): this runs ~100 times per decode step.
+    for t in ts:
+        if t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
 
 
 def default_cache_dir() -> str:

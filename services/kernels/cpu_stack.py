@@ -1,0 +1,150 @@
+"""The cpu backend's whole decode steps: a pure decode step of a few sequences runs the
+decoder stack in one native call per thread (``csrc/epd_decode.c``; why in
+docs/cpu-performance.md). ``NativeStack.run`` is ``CpuBackend.decode_stack``."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from services.kernels.cpu_native import fp32 as _fp32
+from services.kernels.cpu_native import ptr as _ptr
+from services.kernels.metadata import DecoderStack
+
+_F32 = torch.float32
+
+# epd_decode_stack's error codes
+_STACK_ERRORS = {
+    -1: (MemoryError, "decode_stack: out of memory for its scratch"),
+    -2: (IndexError, "rotary: position outside the cos/sin table"),
+    -3: (IndexError, "write_kv: slot outside the KV cache"),
+    -4: (ValueError, "attention: a context longer than its block table, or a block id "
+                     "outside the KV cache"),
+    -5: (RuntimeError, "decode_stack: a thread of the team never joined the step"),
+}  # fmt: skip
+
+
+class _StackPointers:
+    """A DecoderStack and KV caches as the native step takes them: a [layers, 14] table of
+    addresses, checked once. Holds the tensors, so the addresses stay valid."""
+
+    def __init__(self, stack: DecoderStack, kv_caches, lib: ctypes.CDLL):
+        self.stack, self.kv_caches, self.lib = stack, kv_caches, lib
+        s = stack
+        hq, hkv, d, hid, inter = (s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_size,
+                                  s.intermediate_size)  # fmt: skip
+        qkvw = (hq + 2 * hkv) * d
+        k0 = kv_caches[0][0]
+        self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
+        cache_shape = (self.num_blocks, self.block_size, hkv, d)
+        rot = s.rope.shape[-1] if s.rope.dim() == 2 else -1
+        self.ok = (
+            len(s.layers) == len(kv_caches) > 0 and _fp32(s.final_norm, s.rope)
+            and 0 < rot <= d and rot % 2 == 0 and s.final_norm.shape == (hid,)
+            and hq % hkv == 0
+        )  # fmt: skip
+        rows = []
+        for w, (kc, vc) in zip(s.layers, kv_caches, strict=False):
+            if not self.ok:
+                break
+            mats = [(w.qkv, qkvw, hid), (w.o, hid, hq * d), (w.gate_up, 2 * inter, hid),
+                    (w.down, hid, inter)]  # fmt: skip
+            vecs = [(w.input_norm, hid), (w.post_norm, hid), (w.qkv_bias, qkvw), (w.o_bias, hid),
+                    (w.gate_up_bias, 2 * inter), (w.down_bias, hid), (w.q_norm, d), (w.k_norm, d)]  # fmt: skip
+            self.ok = (
+                all(m.dtype is _F32 and m.shape == (n, k) and m.stride() == (1, n)
+                    for m, n, k in mats)
+                and all(v is None or (_fp32(v) and v.shape == (n,)) for v, n in vecs)
+                and (w.q_norm is None) == (w.k_norm is None)
+                and _fp32(kc, vc) and kc.shape == vc.shape == cache_shape
+            )  # fmt: skip
+            rows.append([_ptr(w.input_norm), _ptr(w.qkv), _ptr(w.qkv_bias), _ptr(w.q_norm),
+                         _ptr(w.k_norm), _ptr(w.o), _ptr(w.o_bias), _ptr(w.post_norm),
+                         _ptr(w.gate_up), _ptr(w.gate_up_bias), _ptr(w.down), _ptr(w.down_bias),
+                         _ptr(kc), _ptr(vc)])  # fmt: skip
+        self.table = torch.tensor([[p or 0 for p in r] for r in rows], dtype=torch.int64)
+        self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks,
+                     self.block_size]  # fmt: skip
+
+        self._buffers: tuple | None = None
+
+    def buffers(self, m: int, tables: torch.Tensor, team: int):
+        """(sizes, scratch, barrier) of a step, kept while the step's shape recurs: a team
+        leaves its barrier at zero arrivals and no error, ready for the next step."""
+        key = (m, tables.stride(0), tables.shape[1], team)
+        if self._buffers is None or self._buffers[0] != key:
+            dims = torch.tensor([m, *self.dims, key[1], key[2], len(self.stack.layers)],
+                                dtype=torch.int64)  # fmt: skip
+            scratch = torch.empty(self.lib.epd_decode_scratch(_ptr(dims), team), dtype=_F32)
+            self._buffers = (key, dims, scratch, torch.zeros(3, dtype=torch.int64))
+        return self._buffers[1:]
+
+    def drop_buffers(self) -> None:
+        self._buffers = None
+
+    def matches(self, stack: DecoderStack, kv_caches) -> bool:
+        if stack is not self.stack or len(kv_caches) != len(self.kv_caches):
+            return False
+        return all(
+            a[0] is b[0] and a[1] is b[1] for a, b in zip(kv_caches, self.kv_caches, strict=True)
+        )
+
+
+class NativeStack:
+    """Runs DecoderStacks through epd_decode_stack, keeping the checked pointer table of
+    the last one (a model's stack and KV caches stay the same from step to step)."""
+
+    def __init__(self, lib: ctypes.CDLL, max_rows: int):
+        self.lib = lib
+        self.max_rows = max_rows  # the GEMV's rows: more sequences run layer by layer
+        self._pointers: _StackPointers | None = None
+        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1
+        )  # fmt: skip
+
+    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team):
+        """``Backend.decode_stack``; ``run_team(fn, ranges)`` calls fn(lo, hi) for every
+        range at once, one range on each of its threads."""
+        m = hidden.shape[0]
+        if (
+            m == 0 or m > self.max_rows
+            or meta.max_query_len != 1 or meta.num_seqs != m or hidden.dim() != 2
+            or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size
+        ):  # fmt: skip
+            return None
+        if self._pointers is None or not self._pointers.matches(stack, kv_caches):
+            self._pointers = _StackPointers(stack, kv_caches, self.lib)
+        sp = self._pointers
+        if not sp.ok:
+            return None
+        pos = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        if (
+            pos.numel() != m or slots.numel() != m or lens.numel() != m or tables.dim() != 2
+            or tables.shape[0] < m
+        ):  # fmt: skip
+            return None
+        # A team waits at a barrier for its slowest thread: never more threads than CPUs.
+        team = max(1, min(torch.get_num_threads(), self._cpus))
+        dims, scratch, sync = sp.buffers(m, tables, team)
+        out = torch.empty_like(hidden)
+        codes = [0] * team
+
+        def run(tid: int, _: int) -> None:
+            codes[tid] = self.lib.epd_decode_stack(
+                _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm),
+                _ptr(stack.rope), _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims),
+                stack.eps, stack.head_dim**-0.5, _ptr(scratch), _ptr(sync), tid, team,
+            )  # fmt: skip
+
+        run_team(run, [(tid, 0) for tid in range(team)])
+        rc = next((c for c in codes if c), 0)
+        if rc:
+            sp.drop_buffers()  # the barrier may be mid-count: never reuse it
+            exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
+            raise exc(msg)
+        return out
