@@ -12,8 +12,8 @@ op of the same contract, so the backend is always complete.
   decode step on this AMD CPU, where MKL does not use its AVX-512 path); F.linear between.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
 - A pure decode step of up to GEMV_MAX_ROWS sequences runs the whole decoder stack in one
-  native call per thread (``decode_stack``): op by op, Python dispatch cost about as much
-  as the weight reads.
+  native call per thread (``decode_stack``, see ``cpu_stack``): op by op, Python dispatch
+  cost about as much as the weight reads.
 Work is split across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
 """
 
