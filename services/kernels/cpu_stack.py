@@ -70,7 +70,7 @@ class _StackPointers:
 
         self._buffers: tuple | None = None
 
-    def buffers(self, m: int, tables: torch.Tensor, team: int):
+    def buffers(self, m: int, tables: torch.Tensor, team: int, timeout_ms: int):
         """(sizes, scratch, barrier) of a step, kept while the step's shape recurs: a team
         leaves its barrier at zero arrivals and no error, ready for the next step."""
         key = (m, tables.stride(0), tables.shape[1], team)
@@ -78,7 +78,8 @@ class _StackPointers:
             dims = torch.tensor([m, *self.dims, key[1], key[2], len(self.stack.layers)],
                                 dtype=torch.int64)  # fmt: skip
             scratch = torch.empty(self.lib.epd_decode_scratch(_ptr(dims), team), dtype=_F32)
-            self._buffers = (key, dims, scratch, torch.zeros(3, dtype=torch.int64))
+            sync = torch.tensor([0, 0, 0, timeout_ms], dtype=torch.int64)
+            self._buffers = (key, dims, scratch, sync)
         return self._buffers[1:]
 
     def drop_buffers(self) -> None:
@@ -96,13 +97,17 @@ class NativeStack:
     """Runs DecoderStacks through epd_decode_stack, keeping the checked pointer table of
     the last one (a model's stack and KV caches stay the same from step to step)."""
 
-    def __init__(self, lib: ctypes.CDLL, max_rows: int):
+    def __init__(self, lib: ctypes.CDLL, max_rows: int, cpus: int | None = None,
+                 team_timeout_ms: int = 0):  # fmt: skip
         self.lib = lib
         self.max_rows = max_rows  # the GEMV's rows: more sequences run layer by layer
+        self.team_timeout_ms = team_timeout_ms  # 0: the C default (30 s)
         self._pointers: _StackPointers | None = None
-        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1
-        )  # fmt: skip
+        if cpus is None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1
+            )  # fmt: skip
+        self._cpus = cpus
 
     def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team):
         """``Backend.decode_stack``; ``run_team(fn, ranges)`` calls fn(lo, hi) for every
@@ -130,7 +135,7 @@ class NativeStack:
             return None
         # A team waits at a barrier for its slowest thread: never more threads than CPUs.
         team = max(1, min(torch.get_num_threads(), self._cpus))
-        dims, scratch, sync = sp.buffers(m, tables, team)
+        dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms)
         out = torch.empty_like(hidden)
         codes = [0] * team
 

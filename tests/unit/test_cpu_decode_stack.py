@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services import LLM
+from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata
 from services.kernels.torch_backend import TorchBackend
 from tests.helpers.checkpoints import TEXT_ARCHS, make_text_checkpoint
@@ -165,3 +166,28 @@ def test_left_to_the_layer_path(tiny_root, one_thread):
     meta.max_query_len = 2
     assert be.decode_stack(stack, pos, h[:1], kv.layers, meta) is None
     assert TorchBackend().decode_stack(stack, pos, h[:1], kv.layers, meta) is None
+
+
+def test_a_missing_teammate_fails_the_step(tiny_root):
+    """A thread of the team that never comes: the others give up at the timeout with a
+    clear error instead of waiting forever, and the next step runs."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = _llm(tiny_root, "llama", {})
+        model, kv = llm.engine.model, llm.engine.kv
+        stack = model.model._stack(model.rope)
+        meta, pos = _step([5], kv.num_blocks, torch.Generator().manual_seed(0))
+        h = torch.randn(1, model.config.hidden_size)
+        native = NativeStack(llm.engine.backend.lib, 4, cpus=2, team_timeout_ms=50)
+
+        def only_the_first(fn, ranges):  # the second teammate never starts
+            fn(*ranges[0])
+
+        with torch.inference_mode():
+            with pytest.raises(RuntimeError, match="never joined"):
+                native.run(stack, pos, h, kv.layers, meta, only_the_first)
+            ok = native.run(stack, pos, h, kv.layers, meta, llm.engine.backend._run)
+        assert ok is not None and ok.shape == h.shape
+    finally:
+        torch.set_num_threads(old)

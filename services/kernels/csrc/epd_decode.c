@@ -62,7 +62,7 @@ int64_t epd_decode_scratch(const int64_t *dm, int64_t nt) {
     return own + team;
 }
 
-#define TEAM_TIMEOUT_S 30.0 /* a teammate this late is gone: fail the step, never hang */
+#define TEAM_TIMEOUT_MS 30000 /* a teammate this late is gone: fail the step, never hang */
 
 static double seconds(void) {
     struct timespec t;
@@ -75,10 +75,10 @@ static void team_fail(int64_t *sync, int64_t rc) {
     __atomic_compare_exchange_n(&sync[2], &zero, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 
-/* Barrier of nt threads over sync = [arrived, generation, error]; returns the team's error
- * (0 if none). Spins first (a stage ends within microseconds of its neighbours'), then
+/* Barrier of nt threads over sync = [arrived, generation, error, timeout in ms (0: the
+ * default)]; returns the team's error (0 if none). Spins first (a stage ends within microseconds of its neighbours'), then
  * sleeps in short naps so that a teammate without a CPU of its own can run, and gives up
- * after TEAM_TIMEOUT_S. */
+ * after the timeout. */
 static int64_t team_sync(int64_t *sync, int64_t nt) {
     if (nt > 1) {
         const int64_t gen = __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE);
@@ -87,6 +87,7 @@ static int64_t team_sync(int64_t *sync, int64_t nt) {
             __atomic_store_n(&sync[1], gen + 1, __ATOMIC_RELEASE);
         } else {
             const struct timespec nap = {0, 20000};
+            const double limit = 1e-3 * (double)(sync[3] > 0 ? sync[3] : TEAM_TIMEOUT_MS);
             double t0 = 0.0;
             for (int64_t spins = 0; __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE) == gen; spins++) {
                 if (spins < 2000) {
@@ -97,7 +98,7 @@ static int64_t team_sync(int64_t *sync, int64_t nt) {
                 }
                 nanosleep(&nap, NULL);
                 if (t0 == 0.0) t0 = seconds();
-                else if (spins % 64 == 0 && seconds() - t0 > TEAM_TIMEOUT_S) {
+                else if (spins % 64 == 0 && seconds() - t0 > limit) {
                     team_fail(sync, -5);
                     break;
                 }
@@ -151,8 +152,8 @@ static int64_t gemv_team(float *y, const float *x, const float *wt, const float 
  * at pos[i] of the sequence whose block table is tables + i * table_stride, its K/V goes to
  * cache slot slots[i] (negative: not written) and it attends to lens[i] positions. The
  * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. scratch holds
- * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync three int64s, zeroed or as a
- * successful step left them; the nt threads of the team share both; this is thread tid.
+ * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync four int64s (see team_sync),
+ * zeroed or as a successful step left them; the nt threads of the team share both; this is thread tid.
  * Returns 0; -1 when scratch memory for the attention is short; -2, -3, -4 for a position,
  * a slot, a block table/length out of range; -5 when a teammate never came. */
 int epd_decode_stack(float *out, const float *h, const int64_t *layers, const float *final_norm,
