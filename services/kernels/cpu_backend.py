@@ -37,8 +37,6 @@ GEMM_MIN_ROWS = 8
 # in L2 at 4 KV heads x 64); beyond, SDPA's query tiling wins.
 NATIVE_EXTEND_MAX = 1024
 _F32 = torch.float32
-
-
 _ptr, _fp32 = cpu_native.ptr, cpu_native.fp32
 
 

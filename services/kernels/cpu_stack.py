@@ -67,7 +67,6 @@ class _StackPointers:
         self.table = torch.tensor([[p or 0 for p in r] for r in rows], dtype=torch.int64)
         self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks,
                      self.block_size]  # fmt: skip
-
         self._buffers: tuple | None = None
 
     def buffers(self, m: int, tables: torch.Tensor, team: int, timeout_ms: int):

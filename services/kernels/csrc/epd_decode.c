@@ -57,9 +57,11 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 int64_t epd_decode_scratch(const int64_t *dm, int64_t nt) {
     const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], inter = dm[D_INTER];
     const int64_t qs = dm[D_HQ] * dm[D_HEAD], kvs = dm[D_HKV] * dm[D_HEAD];
-    const int64_t own = m * (2 * hid + (qs + 2 * kvs) + qs + kvs + qs + hid + 3 * inter) + 2 * m;
-    const int64_t team = nt > 1 ? nt * m * (max3(qs + 2 * kvs, hid, 2 * inter) + max3(hid, qs, inter)) : 0;
-    return own + team;
+    /* row ids (2 floats each), resid, x, qkv, q, k, att, o, gate_up, act */
+    const int64_t own = 2 * m + m * (2 * hid + (qs + 2 * kvs) + qs + kvs + qs + hid + 3 * inter);
+    if (nt == 1) return own;
+    /* per thread: a partial output as wide as the widest GEMV, and its slice of x */
+    return own + nt * m * (max3(qs + 2 * kvs, hid, 2 * inter) + max3(hid, qs, inter));
 }
 
 #define TEAM_TIMEOUT_MS 30000 /* a teammate this late is gone: fail the step, never hang */
@@ -76,9 +78,9 @@ static void team_fail(int64_t *sync, int64_t rc) {
 }
 
 /* Barrier of nt threads over sync = [arrived, generation, error, timeout in ms (0: the
- * default)]; returns the team's error (0 if none). Spins first (a stage ends within microseconds of its neighbours'), then
- * sleeps in short naps so that a teammate without a CPU of its own can run, and gives up
- * after the timeout. */
+ * default)]; returns the team's error (0 if none). Spins first (a stage ends within
+ * microseconds of its neighbours'), then sleeps in short naps so that a teammate without
+ * a CPU of its own can run, and gives up after the timeout. */
 static int64_t team_sync(int64_t *sync, int64_t nt) {
     if (nt > 1) {
         const int64_t gen = __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE);
@@ -153,9 +155,10 @@ static int64_t gemv_team(float *y, const float *x, const float *wt, const float 
  * cache slot slots[i] (negative: not written) and it attends to lens[i] positions. The
  * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. scratch holds
  * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync four int64s (see team_sync),
- * zeroed or as a successful step left them; the nt threads of the team share both; this is thread tid.
- * Returns 0; -1 when scratch memory for the attention is short; -2, -3, -4 for a position,
- * a slot, a block table/length out of range; -5 when a teammate never came. */
+ * zeroed or as a successful step left them; the nt threads of the team share both; this
+ * is thread tid. Returns 0; -1 when scratch memory for the attention is short; -2, -3, -4
+ * for a position, a slot, a block table/length out of range; -5 when a teammate never
+ * came. */
 int epd_decode_stack(float *out, const float *h, const int64_t *layers, const float *final_norm,
                      const float *cs, const int64_t *pos, const int64_t *slots,
                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
@@ -188,9 +191,8 @@ int epd_decode_stack(float *out, const float *h, const int64_t *layers, const fl
             }
         }
         if ((err = team_sync(sync, nt))) break;
-        if ((err = gemv_team(qkv, x, P(L, L_QKV_WT), P(L, L_QKV_B), m, hid, qkvw, &tm, tid, nt)) ||
-            (err = team_sync(sync, nt)))
-            break;
+        err = gemv_team(qkv, x, P(L, L_QKV_WT), P(L, L_QKV_B), m, hid, qkvw, &tm, tid, nt);
+        if (err || (err = team_sync(sync, nt))) break;
         float *kc = (float *)(intptr_t)L[L_K_CACHE], *vc = (float *)(intptr_t)L[L_V_CACHE];
         for (int64_t i = tid; i < m; i += nt) {
             float *qi = q + i * qs, *ki = k + i * kvs;
@@ -211,22 +213,19 @@ int epd_decode_stack(float *out, const float *h, const int64_t *layers, const fl
                 team_fail(sync, -1);
         }
         if ((err = team_sync(sync, nt))) break;
-        if ((err = gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt)) ||
-            (err = team_sync(sync, nt)))
-            break;
+        err = gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt);
+        if (err || (err = team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             epd_rms_norm(x + i * hid, resid + i * hid, o + i * hid, resid + i * hid,
                          P(L, L_POST_NORM), 1, hid, eps);
         if ((err = team_sync(sync, nt))) break;
-        if ((err = gemv_team(gu, x, P(L, L_GU_WT), P(L, L_GU_B), m, hid, 2 * inter, &tm, tid, nt)) ||
-            (err = team_sync(sync, nt)))
-            break;
+        err = gemv_team(gu, x, P(L, L_GU_WT), P(L, L_GU_B), m, hid, 2 * inter, &tm, tid, nt);
+        if (err || (err = team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             epd_silu_mul(act + i * inter, gu + i * 2 * inter, 1, inter);
         if ((err = team_sync(sync, nt))) break;
-        if ((err = gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt)) ||
-            (err = team_sync(sync, nt)))
-            break;
+        err = gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt);
+        if (err || (err = team_sync(sync, nt))) break;
         cur = o;
     }
     if (err) return (int)err;
