@@ -7,7 +7,8 @@ op of the same contract, so the backend is always complete.
 - Attention of decode rows, and of prefill rows up to NATIVE_EXTEND_MAX tokens of context,
   reads K/V in place from the paged cache (torch must gather blocks, then SDPA reads them
   again): about 2.5x faster here at 64 x 160 tokens.
-- Linear: a streaming GEMV for 1-4 rows (batch-1 decode is bound by weight reads), and
+- Linear: a streaming GEMV for 1-4 rows (batch-1 decode is bound by weight reads) on W^T
+  or W row-major (models keep layers as W^T, the LM head row-major: see epd_gemv_rm), and
   oneDNN's fp32 GEMM for 8 rows or more (5-25 % faster than MKL's on the shapes of a
   decode step on this AMD CPU, where MKL does not use its AVX-512 path); F.linear between.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
@@ -38,6 +39,18 @@ GEMM_MIN_ROWS = 8
 NATIVE_EXTEND_MAX = 1024
 _F32 = torch.float32
 _ptr, _fp32 = cpu_native.ptr, cpu_native.fp32
+
+
+def _layout(weight: torch.Tensor) -> int | None:
+    """How the GEMV kernels read a weight [n, k]: 1 = W^T contiguous (the column-major
+    layers models keep on CPU), 0 = W row-major (nn.Linear's own, a tied embedding, the
+    LM head), None = neither (or not fp32 on CPU): torch's op serves."""
+    if weight.dtype is not _F32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if weight.stride() == (1, n):
+        return 1
+    return 0 if weight.stride() == (k, 1) else None
 
 
 def _mkldnn_linear_works() -> bool:
@@ -88,6 +101,7 @@ class CpuBackend:
     """Backend object (see ``services.kernels.backend``) over the native CPU kernels."""
 
     name = "cpu"
+    row_major_head = True  # epd_gemv_rm: see csrc/epd_cpu.c
     write_kv = staticmethod(ref.write_kv)
 
     def __init__(self, lib: ctypes.CDLL):
@@ -168,13 +182,14 @@ class CpuBackend:
 
     def greedy_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows, (n, k) = x.shape[0], weight.shape
+        layout = _layout(weight)
         if (
             x.dim() != 2 or rows > GEMV_MAX_ROWS or torch.get_num_threads() != 1
-            or weight.dtype != _F32 or weight.stride() != (1, n) or not _fp32(x)
+            or weight.dtype != _F32 or layout is None or not _fp32(x)
         ):  # fmt: skip
             return self._argmax(self.linear(x, weight).float())
         out = torch.empty(rows, dtype=torch.int64)
-        if self.lib.epd_gemv_argmax(_ptr(out), _ptr(x), _ptr(weight.t()), rows, k, n):
+        if self.lib.epd_gemv_argmax(_ptr(out), _ptr(x), _ptr(weight), rows, k, n, layout):
             raise MemoryError("greedy_head: out of memory for the logits")
         return out
 
@@ -201,21 +216,23 @@ class CpuBackend:
         if x.dim() != 2 or x.dtype != _F32 or weight.dtype != _F32 or x.device.type != "cpu":
             return F.linear(x, weight, bias)
         n, k = weight.shape
-        # W^T contiguous, i.e. the column-major weights models keep on CPU.
-        if rows <= GEMV_MAX_ROWS and weight.stride() == (1, n) and _fp32(x):
-            return self._gemv(x, weight, bias, n, k)
+        if rows <= GEMV_MAX_ROWS and _fp32(x) and (layout := _layout(weight)) is not None:
+            return self._gemv(x, weight, bias, n, k, layout)
         if rows >= GEMM_MIN_ROWS and self.use_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
-    def _gemv(self, x, weight, bias, n: int, k: int) -> torch.Tensor:
+    def _gemv(self, x, weight, bias, n: int, k: int, transposed: int) -> torch.Tensor:
         y = torch.empty(x.shape[0], n, dtype=_F32)
-        wt = weight.t()  # [k, n] row-major view
         b = bias if bias is not None and _fp32(bias) else None
 
         def run(lo: int, hi: int) -> None:
-            self.lib.epd_gemv_t(_ptr(y, lo), n, _ptr(x), _ptr(wt, lo), n, _ptr(b, lo),
-                                x.shape[0], k, hi - lo)  # fmt: skip
+            if transposed:  # weight.t() is [k, n] row-major: columns lo..hi of it
+                self.lib.epd_gemv_t(_ptr(y, lo), n, _ptr(x), _ptr(weight, lo), n, _ptr(b, lo),
+                                    x.shape[0], k, hi - lo)  # fmt: skip
+            else:  # rows lo..hi of W [n, k]
+                self.lib.epd_gemv_rm(_ptr(y, lo), n, _ptr(x), _ptr(weight, lo * k), k,
+                                     _ptr(b, lo), x.shape[0], k, hi - lo)  # fmt: skip
 
         self._run(run, self._split(n, 2048))
         if bias is not None and b is None:

@@ -40,7 +40,8 @@ _SIGNATURES = {
     "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
     "epd_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F]),
     "epd_argmax": (None, [_P, _P, _I64, _I64]),
-    "epd_gemv_argmax": (ctypes.c_int, [_P, _P, _P, _I64, _I64, _I64]),
+    "epd_gemv_rm": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
+    "epd_gemv_argmax": (ctypes.c_int, [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]),
     "epd_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]),
 }  # fmt: skip
 

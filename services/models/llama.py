@@ -194,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("rope", cos_sin_cache(cfg, attn.head_dim, max_positions), False)
-        _column_major_linears(self)
+        _column_major_linears(
+            self, keep=getattr(self, "lm_head", None) if backend.row_major_head else None
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)  # no module-call overhead
@@ -248,15 +250,16 @@ class LlamaForCausalLM(nn.Module):
             raise CheckpointError(f"weights missing from the checkpoint: {missing[:8]}")
 
 
-def _column_major_linears(module: nn.Module) -> None:
+def _column_major_linears(module: nn.Module, keep: nn.Module | None = None) -> None:
     """On CPU, keep each Linear weight [out, in] with strides (1, out), i.e. W^T in memory.
 
     MKL multiplies one row by W^T contiguous about 1.3-1.5x faster than by W (batch-1
     decode is all such products) and larger batches run at the same speed. The shape is
-    unchanged, so loading and every caller see the same parameter.
+    unchanged, so loading and every caller see the same parameter. ``keep`` (the LM head
+    when the backend reads it faster row-major) stays as it is.
     """
     for m in module.modules():
-        if isinstance(m, nn.Linear) and m.weight.device.type == "cpu":
+        if isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m is not keep:
             m.weight = nn.Parameter(m.weight.detach().t().contiguous().t(), m.weight.requires_grad)
 
 

@@ -116,6 +116,15 @@ def test_linear_matches_f_linear(be, threads, rows, layout, bias):
     torch.testing.assert_close(be.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+def test_linear_on_a_strided_weight_falls_back(be):
+    """Neither W^T nor W contiguous (a column slice): torch's op, same numbers."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(300, 140, generator=gen)[:, ::2]
+    x = torch.randn(2, 70, generator=gen)
+    torch.testing.assert_close(be.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert torch.equal(be.greedy_head(x, w), F.linear(x, w).argmax(dim=-1))
+
+
 def test_silu_mul_and_rms_norm(be, threads):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(300, 2 * 77, generator=gen) * 6  # large |x|: exp's range reduction
@@ -155,7 +164,7 @@ def test_greedy_sampling_is_torch_argmax(be, threads):
 @pytest.mark.parametrize("rows", [1, 4, 6])
 @pytest.mark.parametrize("layout", ["column-major", "row-major"])
 def test_greedy_head_is_the_logits_argmax(be, threads, rows, layout):
-    """One native call at one thread (GEMV rows, W^T); linear + argmax otherwise."""
+    """One native call at one thread (GEMV rows, either layout); linear + argmax otherwise."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(3001, 70, generator=gen)
     w[1500] = w[7]  # a tie between two vocabulary rows: the first index wins

@@ -40,6 +40,32 @@ void epd_gemv_t(float *y, int64_t ldy, const float *x, const float *wt, int64_t 
         for (int64_t r = 0; r < m; r++) axpy(y + r * ldy, x[r * k + kk], wt + kk * ldw, n);
 }
 
+/* y[r, :n] = x[r, :k] @ w[:n, :k]^T (+ bias) for a few rows r, w row-major (nn.Linear's
+ * [out, in]) with row stride ldw: one dot product per weight row, read once as a single
+ * sequential stream while x stays in L1. On the [32000, 512] LM head this reads ~5 %
+ * faster than epd_gemv_t (no partial sums to carry through L2); on a layer's small
+ * matrices the long streams of epd_gemv_t win, so models keep those as W^T. RW partial
+ * sums per dot product, then a tree: deterministic, and vectorized without -ffast-math. */
+#define RW 32
+void epd_gemv_rm(float *y, int64_t ldy, const float *x, const float *w, int64_t ldw,
+                 const float *bias, int64_t m, int64_t k, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *wj = w + j * ldw;
+        for (int64_t r = 0; r < m; r++) {
+            const float *xr = x + r * k;
+            float acc[RW] = {0};
+            int64_t i = 0;
+            for (; i + RW <= k; i += RW)
+                for (int q = 0; q < RW; q++) acc[q] += wj[i + q] * xr[i + q];
+            float s = 0.f;
+            for (; i < k; i++) s += wj[i] * xr[i];
+            for (int h = RW / 2; h > 0; h /= 2)
+                for (int q = 0; q < h; q++) acc[q] += acc[q + h];
+            y[r * ldy + j] = acc[0] + s + (bias ? bias[j] : 0.f);
+        }
+    }
+}
+
 /* out[m, :h] = silu(x[m, :h]) * x[m, h:2h]  (x is the fused gate/up projection). */
 void epd_silu_mul(float *out, const float *x, int64_t m, int64_t h) {
     for (int64_t r = 0; r < m; r++) {
@@ -131,13 +157,16 @@ void epd_argmax(int64_t *out, const float *x, int64_t m, int64_t n) {
     }
 }
 
-/* out[r] = argmax of x[r, :k] @ wt[:k, :n]: greedy tokens straight from the LM head, the
- * logits never leaving this call. Returns 0, or -1 when the logits' scratch is short. */
-int epd_gemv_argmax(int64_t *out, const float *x, const float *wt, int64_t m, int64_t k,
-                    int64_t n) {
+/* out[r] = argmax of the logits x[r, :k] @ W^T, W [n, k] the LM head: greedy tokens
+ * straight from the head, the logits never leaving this call. w holds W row-major
+ * (transposed = 0) or W^T row-major (transposed = 1). Returns 0, or -1 when the logits'
+ * scratch is short. */
+int epd_gemv_argmax(int64_t *out, const float *x, const float *w, int64_t m, int64_t k,
+                    int64_t n, int transposed) {
     float *y = malloc(sizeof(float) * (size_t)(m * n));
     if (!y) return -1;
-    epd_gemv_t(y, n, x, wt, n, NULL, m, k, n);
+    if (transposed) epd_gemv_t(y, n, x, w, n, NULL, m, k, n);
+    else epd_gemv_rm(y, n, x, w, k, NULL, m, k, n);
     epd_argmax(out, y, m, n);
     free(y);
     return 0;
