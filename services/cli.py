@@ -22,6 +22,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--attention-backend", default=None, help="auto | cpu | torch | triton")
+    g.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="greedy decode steps per scheduling round (default 1)")  # fmt: skip
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +38,8 @@ def engine_config(args):
     from services.config import EngineConfig
 
     keys = ("model", "dtype", "device", "load_format", "max_model_len", "block_size",
-            "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend")  # fmt: skip
+            "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend",
+            "num_scheduler_steps")  # fmt: skip
     return EngineConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 

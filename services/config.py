@@ -76,6 +76,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Decode steps per scheduling round (vLLM's multi-step scheduling) while nothing
+    # waits and every running request decodes greedily with nothing else to do per token
+    # (no logprobs, penalties or pending min_tokens): the steps run at once, in one native
+    # call on the cpu backend, and outputs stream that many tokens at a time. 1: off.
+    num_scheduler_steps: int = 1
     # "auto" (Triton on CUDA; on CPU the native kernels when a C compiler can build them,
     # else torch), "cpu", "torch" or "triton".
     attention_backend: str = "auto"
@@ -109,6 +114,8 @@ class EngineConfig:
             self.max_num_seqs < 1
         ):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

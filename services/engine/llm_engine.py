@@ -12,7 +12,7 @@ from services.config import EngineConfig
 from services.engine.block_manager import BlockManager
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_cache import KVCachePool
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, plain_greedy
 from services.engine.output_processor import RequestState
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import TokenLogprobs
@@ -174,20 +174,37 @@ class LLMEngine:
         return out
 
     # -- stepping ---------------------------------------------------------------------
+    def _burst_steps(self) -> int:
+        """Steps to ask the scheduler for: num_scheduler_steps when every running request
+        may take its tokens in a burst (plain greedy, not a prefill-role export)."""
+        n = self.config.num_scheduler_steps
+        if n > 1 and not self._exports and all(plain_greedy(r) for r in self.scheduler.running):
+            return n
+        return 1
+
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
+        so = self.scheduler.schedule(self._burst_steps())
         for rid in so.finished_ids:
             self.runner.drop_request(rid)
-        result = self.runner.execute(so.scheduled)
-        exported = self._export_kv(result.sampled)
-        finished = self.scheduler.update_from_output(so, result.sampled)
+        if so.num_steps > 1:
+            burst = self.runner.execute_burst(so.scheduled, so.num_steps)
+            exported, logprobs = {}, {}
+            finished, new_tokens = self.scheduler.update_from_burst(so, burst)
+        else:
+            result = self.runner.execute(so.scheduled)
+            exported, logprobs = self._export_kv(result.sampled), result.logprobs
+            finished = self.scheduler.update_from_output(so, result.sampled)
+            new_tokens = {rid: [token] for rid, token in result.sampled.items()}
         touched: dict[str, RequestState] = {}
-        for rid, token in result.sampled.items():
+        for rid, tokens in new_tokens.items():
             state = self.states.get(rid)
             if state is None:
                 continue
             touched[rid] = state
-            stop = state.append(token, result.logprobs.get(rid))
+            stop = None
+            for token in tokens:
+                if (stop := state.append(token, logprobs.get(rid))) is not None:
+                    break
             if stop is not None:
                 state.finish("stop", stop)
                 req = self.scheduler.get_request(rid)

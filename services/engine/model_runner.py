@@ -145,7 +145,7 @@ class ModelRunner:
         if not step.sampling:
             return StepOutput({}, {})
         ids = [r.request_id for r in step.sampling]
-        if all(_plain_greedy(r) for r in step.sampling):  # the logits' argmax is all it needs
+        if all(plain_greedy(r) for r in step.sampling):  # the logits' argmax is all it needs
             tokens = self.model.greedy_tokens(hidden)
             return StepOutput(dict(zip(ids, tokens.tolist(), strict=True)), {})
         logits = self.model.compute_logits(hidden)
@@ -155,8 +155,52 @@ class ModelRunner:
         logprobs = {rid: lp for rid, lp in zip(ids, lps, strict=True) if lp is not None}
         return StepOutput(sampled, logprobs)
 
+    @torch.inference_mode()
+    def execute_burst(self, scheduled, steps: int) -> dict[str, list[int]]:
+        """``steps`` greedy decode steps of a pure decode batch (every request plain
+        greedy, its block table covering ``steps`` new tokens): the tokens of each request.
 
-def _plain_greedy(req: Request) -> bool:
+        One backend call when the backend can (``decode_greedy``), else a loop of
+        ordinary steps here; both give what ``steps`` calls of ``execute`` would.
+        """
+        step = self.prepare(scheduled)
+        ids = [item.request.request_id for item in scheduled]
+        tokens = self.model.decode_greedy(step.input_ids, step.positions, self.kv.layers,
+                                          step.attn, steps)  # fmt: skip
+        if tokens is None:
+            tokens = self._burst_loop(step, steps)
+        return dict(zip(ids, tokens.t().tolist(), strict=True))
+
+    def _burst_loop(self, step: StepInputs, steps: int) -> torch.Tensor:
+        tokens, pos, meta = step.input_ids, step.positions, step.attn
+        out = []
+        for s in range(steps):
+            if s:
+                pos = pos + 1
+                meta = self._next_decode_meta(meta, pos)
+            hidden = self.model(pos, self.model.embed(tokens), self.kv.layers, meta, None)
+            tokens = self.model.greedy_tokens(hidden)
+            out.append(tokens)
+        return torch.stack(out)
+
+    def _next_decode_meta(self, meta: AttentionMetadata, pos: torch.Tensor) -> AttentionMetadata:
+        """A pure decode step's metadata one token on: longer contexts, the next slots."""
+        bs = self.block_size
+        blocks = meta.block_tables.gather(1, (pos // bs).view(-1, 1).to(torch.int64))
+        lens = [n + 1 for n in meta.seq_lens_cpu]
+        return AttentionMetadata(
+            query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens + 1,
+            block_tables=meta.block_tables,
+            slot_mapping=blocks.view(-1).to(torch.int64) * bs + pos % bs,
+            max_query_len=1,
+            max_seq_len=max(lens),
+            query_lens_cpu=meta.query_lens_cpu,
+            seq_lens_cpu=lens,
+        )
+
+
+def plain_greedy(req: Request) -> bool:
     """Greedy with no logprobs and nothing that edits the logits (penalties, min_tokens)."""
     sp = req.sampling_params
     return (

@@ -164,10 +164,18 @@ class Scheduler:
 
     # ----------------------------------------------------------------- step
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and grow their block tables to cover them."""
+    def schedule(self, num_steps: int = 1) -> SchedulerOutput:
+        """Pick this step's requests and grow their block tables to cover them.
+
+        ``num_steps`` > 1 asks for a burst: when nothing waits and every running request
+        is a pure decode, they all run that many decode steps at once (fewer when one of
+        them would pass its last token or the pool lacks the blocks; at 1, a normal step).
+        The caller decides which requests may burst (e.g. greedy ones only).
+        """
         output = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        if num_steps > 1 and self._schedule_burst(output, num_steps):
+            return output
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         # Admitting after a preemption would only take the blocks just freed for the
         # preempted request, which is first in line.
@@ -193,6 +201,26 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _schedule_burst(self, output: SchedulerOutput, num_steps: int) -> bool:
+        running = self.running
+        if (
+            self.waiting or not running or len(running) > self.config.max_num_batched_tokens
+            or any(r.num_tokens - r.num_computed_tokens != 1 for r in running)
+        ):  # fmt: skip
+            return False
+        # Every step of the burst samples a token, so none may go past its last one.
+        steps = min(num_steps, *(r.max_total_tokens - r.num_tokens for r in running))
+        bm = self.block_manager
+        need = sum(max(0, -(-(r.num_computed_tokens + steps) // bm.block_size)
+                       - len(r.block_ids)) for r in running)  # fmt: skip
+        if steps < 2 or need > bm.num_free_blocks:
+            return False
+        for request in running:
+            bm.allocate_slots(request, steps)
+            output.scheduled.append(self._scheduled(request, 1))
+        output.num_steps = steps
+        return True
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -231,6 +259,36 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def update_from_burst(
+        self, output: SchedulerOutput, sampled: Mapping[str, list[int]]
+    ) -> tuple[list[Request], dict[str, list[int]]]:
+        """Apply a burst's results (``sampled``: each request's ``num_steps`` tokens).
+
+        Tokens count one by one, as that many steps would: a request that stops keeps
+        the tokens up to its stop and drops the rest (their K/V is never read). Returns
+        the requests that finished and the tokens each request kept.
+        """
+        finished: list[Request] = []
+        kept: dict[str, list[int]] = {}
+        for item in output.scheduled:
+            request = item.request
+            tokens = sampled.get(request.request_id, [])
+            if request.status is not RequestStatus.RUNNING or not tokens:
+                continue
+            stop, n = None, 0
+            while stop is None and n < len(tokens):
+                request.num_computed_tokens += 1
+                request.append_output_token(tokens[n])
+                n += 1
+                stop = _stop(request)
+            kept[request.request_id] = tokens[:n]
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            if stop is not None:
+                request.stop_reason = stop[1]
+                self._finish(request, stop[0])
+                finished.append(request)
+        return finished, kept
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int]

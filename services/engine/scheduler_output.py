@@ -41,6 +41,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests finished or aborted since the previous step: drop per-request state.
     finished_ids: list[str] = field(default_factory=list)
+    # Decode steps this batch runs at once (> 1: a burst, see Scheduler.schedule); every
+    # scheduled request then has one new token and block room for num_steps.
+    num_steps: int = 1
 
     @property
     def total_num_tokens(self) -> int:

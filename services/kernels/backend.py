@@ -94,6 +94,23 @@ class Backend(Protocol):
         K/V written, or None when this backend has no such path for these inputs (the
         model then runs its layers op by op; the results must agree)."""
 
+    def decode_greedy(
+        self,
+        stack: DecoderStack,
+        embed: torch.Tensor,  # [V, H], the embedding table
+        head: torch.Tensor,  # [V, H], the LM head
+        tokens: torch.Tensor,  # [B] int64, the last known token of each sequence
+        positions: torch.Tensor,  # [B] int64, their positions
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,  # step 0: B sequences, one new token each
+        steps: int,
+    ) -> torch.Tensor | None:  # [steps, B] int64
+        """``steps`` greedy decode steps at once: step s feeds the token step s - 1 chose
+        (``tokens`` first) at ``positions + s``, its K/V going to the slot the block
+        tables give (they cover ``positions + steps - 1``). The tokens chosen, exactly
+        those of ``steps`` rounds of embed, ``decode_stack`` and ``greedy_head``; None when
+        this backend has no such path (the caller then runs those rounds)."""
+
 
 def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "",
                 kernel_cc: str = "cc") -> Backend:  # fmt: skip

@@ -180,6 +180,10 @@ class CpuBackend:
     def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta):
         return self._native_stack.run(stack, positions, hidden, kv_caches, meta, self._run)
 
+    def decode_greedy(self, stack, embed, head, tokens, positions, kv_caches, meta, steps: int):
+        return self._native_stack.run_greedy(stack, embed, head, tokens, positions, kv_caches,
+                                             meta, steps, self._run)  # fmt: skip
+
     def greedy_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows, (n, k) = x.shape[0], weight.shape
         layout = _layout(weight)

@@ -23,6 +23,7 @@ _STACK_ERRORS = {
     -4: (ValueError, "attention: a context longer than its block table, or a block id "
                      "outside the KV cache"),
     -5: (RuntimeError, "decode_stack: a thread of the team never joined the step"),
+    -6: (IndexError, "decode_greedy: a token id outside the embedding table"),
 }  # fmt: skip
 
 
@@ -69,14 +70,17 @@ class _StackPointers:
                      self.block_size]  # fmt: skip
         self._buffers: tuple | None = None
 
-    def buffers(self, m: int, tables: torch.Tensor, team: int, timeout_ms: int):
-        """(sizes, scratch, barrier) of a step, kept while the step's shape recurs: a team
-        leaves its barrier at zero arrivals and no error, ready for the next step."""
-        key = (m, tables.stride(0), tables.shape[1], team)
+    def buffers(self, m: int, tables: torch.Tensor, team: int, timeout_ms: int, vocab: int = 0):
+        """(sizes, scratch, barrier) of a step (of greedy steps over ``vocab`` logits when
+        vocab > 0), kept while the step's shape recurs: a team leaves its barrier at zero
+        arrivals and no error, ready for the next step."""
+        key = (m, tables.stride(0), tables.shape[1], team, vocab)
         if self._buffers is None or self._buffers[0] != key:
             dims = torch.tensor([m, *self.dims, key[1], key[2], len(self.stack.layers)],
                                 dtype=torch.int64)  # fmt: skip
-            scratch = torch.empty(self.lib.epd_decode_scratch(_ptr(dims), team), dtype=_F32)
+            size = (self.lib.epd_decode_greedy_scratch(_ptr(dims), team, vocab) if vocab
+                    else self.lib.epd_decode_scratch(_ptr(dims), team))  # fmt: skip
+            scratch = torch.empty(size, dtype=_F32)
             sync = torch.tensor([0, 0, 0, timeout_ms], dtype=torch.int64)
             self._buffers = (key, dims, scratch, sync)
         return self._buffers[1:]
@@ -108,20 +112,14 @@ class NativeStack:
             )  # fmt: skip
         self._cpus = cpus
 
-    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team):
-        """``Backend.decode_stack``; ``run_team(fn, ranges)`` calls fn(lo, hi) for every
-        range at once, one range on each of its threads."""
-        m = hidden.shape[0]
-        if (
-            m == 0 or m > self.max_rows
-            or meta.max_query_len != 1 or meta.num_seqs != m or hidden.dim() != 2
-            or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size
-        ):  # fmt: skip
+    def _inputs(self, stack: DecoderStack, m: int, positions, kv_caches, meta):
+        """(pointers, positions, slots, block tables, lengths) of a pure decode step of m
+        sequences in the native layouts, or None when the native step cannot take it."""
+        if m == 0 or m > self.max_rows or meta.max_query_len != 1 or meta.num_seqs != m:
             return None
         if self._pointers is None or not self._pointers.matches(stack, kv_caches):
             self._pointers = _StackPointers(stack, kv_caches, self.lib)
-        sp = self._pointers
-        if not sp.ok:
+        if not self._pointers.ok:
             return None
         pos = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -132,18 +130,17 @@ class NativeStack:
             or tables.shape[0] < m
         ):  # fmt: skip
             return None
+        return self._pointers, pos, slots, tables, lens
+
+    def _team(self) -> int:
         # A team waits at a barrier for its slowest thread: never more threads than CPUs.
-        team = max(1, min(torch.get_num_threads(), self._cpus))
-        dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms)
-        out = torch.empty_like(hidden)
+        return max(1, min(torch.get_num_threads(), self._cpus))
+
+    def _run_team(self, sp: _StackPointers, team: int, call, run_team) -> None:
         codes = [0] * team
 
         def run(tid: int, _: int) -> None:
-            codes[tid] = self.lib.epd_decode_stack(
-                _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm),
-                _ptr(stack.rope), _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims),
-                stack.eps, stack.head_dim**-0.5, _ptr(scratch), _ptr(sync), tid, team,
-            )  # fmt: skip
+            codes[tid] = call(tid)
 
         run_team(run, [(tid, 0) for tid in range(team)])
         rc = next((c for c in codes if c), 0)
@@ -151,4 +148,49 @@ class NativeStack:
             sp.drop_buffers()  # the barrier may be mid-count: never reuse it
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
             raise exc(msg)
+
+    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team):
+        """``Backend.decode_stack``; ``run_team(fn, ranges)`` calls fn(lo, hi) for every
+        range at once, one range on each of its threads."""
+        m = hidden.shape[0]
+        if hidden.dim() != 2 or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size:
+            return None
+        inputs = self._inputs(stack, m, positions, kv_caches, meta)
+        if inputs is None:
+            return None
+        sp, pos, slots, tables, lens = inputs
+        team = self._team()
+        dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms)
+        out = torch.empty_like(hidden)
+        self._run_team(sp, team, lambda tid: self.lib.epd_decode_stack(
+            _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope),
+            _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims), stack.eps,
+            stack.head_dim**-0.5, _ptr(scratch), _ptr(sync), tid, team,
+        ), run_team)  # fmt: skip
+        return out
+
+    def run_greedy(self, stack: DecoderStack, embed, head, tokens, positions, kv_caches, meta,
+                   steps: int, run_team):  # fmt: skip
+        """``Backend.decode_greedy`` (``run_team`` as in ``run``)."""
+        m = tokens.shape[0]
+        vocab, hid = head.shape
+        if (
+            steps < 1 or tokens.dim() != 1 or not _fp32(embed, head) or head.stride() != (hid, 1)
+            or hid != stack.hidden_size or embed.shape != head.shape
+        ):  # fmt: skip
+            return None
+        inputs = self._inputs(stack, m, positions, kv_caches, meta)
+        if inputs is None:
+            return None
+        sp, pos, _, tables, lens = inputs
+        ids = tokens.to(torch.int64).contiguous()
+        team = self._team()
+        dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms, vocab)
+        out = torch.empty(steps, m, dtype=torch.int64)
+        self._run_team(sp, team, lambda tid: self.lib.epd_decode_greedy(
+            _ptr(out), _ptr(ids), _ptr(embed), _ptr(head), vocab,
+            steps, _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope), _ptr(pos),
+            _ptr(tables), _ptr(lens), _ptr(dims), stack.eps, stack.head_dim**-0.5,
+            _ptr(scratch), _ptr(sync), tid, team,
+        ), run_team)  # fmt: skip
         return out

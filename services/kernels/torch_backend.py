@@ -270,3 +270,7 @@ class TorchBackend:
     @staticmethod
     def decode_stack(stack, positions, hidden, kv_caches, meta) -> None:
         return None  # no fused step: torch ops are already one call per layer op
+
+    @staticmethod
+    def decode_greedy(stack, embed, head, tokens, positions, kv_caches, meta, steps) -> None:
+        return None  # the model runner loops over the steps

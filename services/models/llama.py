@@ -211,6 +211,14 @@ class LlamaForCausalLM(nn.Module):
         """argmax of ``compute_logits(hidden)`` per row, without returning the logits."""
         return self.model.backend.greedy_head(hidden, self._head())
 
+    def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
+        """``steps`` greedy decode steps from ``tokens`` in one backend call: [steps, B]
+        token ids, or None when the backend has no such path (see Backend.decode_greedy)."""
+        stack = self.model._stack(self.rope)
+        return self.model.backend.decode_greedy(stack, self.model.embed_tokens.weight,
+                                                self._head(), tokens, positions, kv_caches,
+                                                meta, steps)  # fmt: skip
+
     def _head(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie else self.lm_head.weight
 

@@ -131,6 +131,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.greedy_tokens(hidden)
 
+    def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
+        return self.language_model.decode_greedy(tokens, positions, kv_caches, meta, steps)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = dict(weights)
         text = []

@@ -82,6 +82,13 @@ def test_text_greedy_matches_transformers(kind, backend, threads, ckpt_root):
     plain = llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0, max_tokens=MAX_NEW))  # fmt: skip
     assert [o.outputs[0].token_ids for o in plain] == [ids for ids, _ in refs]
+    # Multi-step scheduling: after the prefill step, bursts of 4 decode steps (on the cpu
+    # backend in one native call), alone and in a batch.
+    llm.engine.config.num_scheduler_steps = 4
+    for batch in (prompts[:1], prompts):
+        burst = llm.generate([{"prompt_token_ids": p} for p in batch],
+                             SamplingParams(temperature=0, max_tokens=MAX_NEW))  # fmt: skip
+        assert [o.outputs[0].token_ids for o in burst] == [ids for ids, _ in refs[: len(batch)]]
 
 
 def test_chunked_prefill_and_shared_prefixes(ckpt_root):

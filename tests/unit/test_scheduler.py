@@ -330,3 +330,80 @@ def test_max_model_len_ends_requests() -> None:
     sched.add_request(req)
     run_all(sched)
     assert req.num_output_tokens == 2 and req.status is RequestStatus.FINISHED_LENGTH
+
+
+# ----------------------------------------------------------------- bursts (multi-step)
+
+
+def burst(sched: Scheduler, steps: int, tokens: list[int] | None = None):
+    """One scheduling round asking for ``steps`` decode steps; the fake model samples
+    ``tokens`` (TOKEN each step by default) for every request of a burst."""
+    out = sched.schedule(steps)
+    if out.num_steps == 1:
+        sampled = {s.request_id: TOKEN for s in out.scheduled if s.sample}
+        return out, sched.update_from_output(out, sampled), None
+    sampled = {s.request_id: list(tokens or [TOKEN] * out.num_steps) for s in out.scheduled}
+    finished, kept = sched.update_from_burst(out, sampled)
+    return out, finished, kept
+
+
+def test_a_burst_covers_every_step_with_blocks() -> None:
+    sched = make_scheduler(block_size=4)
+    req = make_request("a", 5, max_tokens=10)
+    sched.add_request(req)
+    out, _, _ = burst(sched, 4)  # prefill: never a burst
+    assert out.num_steps == 1 and req.num_tokens == 6
+    out, finished, kept = burst(sched, 4)
+    assert out.num_steps == 4 and shape(out) == [("a", 1, 5, True)]
+    assert len(req.block_ids) == 3  # positions 5..8 written: 9 tokens, 3 blocks of 4
+    assert kept == {"a": [TOKEN] * 4} and not finished
+    assert req.num_computed_tokens == 9 and req.num_tokens == 10
+
+
+def test_a_burst_stops_at_max_tokens() -> None:
+    sched = make_scheduler(block_size=4)
+    req = make_request("a", 5, max_tokens=3)
+    sched.add_request(req)
+    burst(sched, 8)
+    out, finished, kept = burst(sched, 8)
+    assert out.num_steps == 2  # 1 token from the prefill, 2 left
+    assert finished == [req] and req.status is RequestStatus.FINISHED_LENGTH
+    assert req.output_token_ids == [TOKEN] * 3 and kept == {"a": [TOKEN] * 2}
+
+
+def test_a_stop_token_mid_burst_drops_the_rest_and_frees_the_blocks() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    req = make_request("a", 5, max_tokens=10)
+    sched.add_request(req)
+    burst(sched, 4)
+    out, finished, kept = burst(sched, 4, [11, EOS, 12, 13])
+    assert out.num_steps == 4 and finished == [req]
+    assert kept == {"a": [11, EOS]} and req.output_token_ids == [TOKEN, 11, EOS]
+    assert req.status is RequestStatus.FINISHED_STOPPED
+    assert req.num_computed_tokens == 7
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_no_burst_while_a_request_waits_or_prefills() -> None:
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8)
+    a = make_request("a", 6, max_tokens=8)
+    sched.add_request(a)
+    burst(sched, 4)
+    sched.add_request(make_request("b", list(range(200, 212)), max_tokens=3))
+    out, _, _ = burst(sched, 4)  # b waits: the round admits it instead of bursting
+    assert out.num_steps == 1 and [s.request_id for s in out.scheduled] == ["a", "b"]
+    out, _, _ = burst(sched, 4)  # b's prompt is not all done (chunked): no burst
+    assert out.num_steps == 1 and shape(out)[1] == ("b", 5, 7, True)
+    out, _, _ = burst(sched, 4)  # both decode now
+    assert out.num_steps == 2  # b has 2 tokens left of its 3
+
+
+def test_no_burst_when_the_pool_lacks_its_blocks() -> None:
+    for num_blocks, steps in ((6, 4), (5, 1)):
+        sched = make_scheduler(num_blocks=num_blocks, block_size=4)
+        for rid in "ab":
+            sched.add_request(make_request(rid, 6, max_tokens=6))
+        burst(sched, 1)  # both prefills: 2 blocks each
+        out, _, _ = burst(sched, 4)  # a burst of 4 needs a third block each
+        assert out.num_steps == steps and len(out.scheduled) == 2
+        assert sched.num_preemptions == 0

@@ -150,6 +150,11 @@ static int64_t gemv_team(float *y, const float *x, const float *wt, const float 
     return 0;
 }
 
+static int stack_step(float *out, const float *h, const int64_t *layers, const float *final_norm,
+                      const float *cs, const int64_t *pos, const int64_t *slots,
+                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
+                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt);
+
 /* out[m, hidden] = final_norm(stack(h)) for m single-token sequences: row i is the token
  * at pos[i] of the sequence whose block table is tables + i * table_stride, its K/V goes to
  * cache slot slots[i] (negative: not written) and it attends to lens[i] positions. The
@@ -163,12 +168,20 @@ int epd_decode_stack(float *out, const float *h, const int64_t *layers, const fl
                      const float *cs, const int64_t *pos, const int64_t *slots,
                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
+    const int rc = check_step(dm, pos, slots, tables, lens); /* same verdict on every thread */
+    if (rc) return rc;
+    return stack_step(out, h, layers, final_norm, cs, pos, slots, tables, lens, dm, eps, scale,
+                      scratch, sync, tid, nt);
+}
+
+/* epd_decode_stack's step once its indices are checked. */
+static int stack_step(float *out, const float *h, const int64_t *layers, const float *final_norm,
+                      const float *cs, const int64_t *pos, const int64_t *slots,
+                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
+                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
     const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], hq = dm[D_HQ], hkv = dm[D_HKV];
     const int64_t d = dm[D_HEAD], inter = dm[D_INTER], bs = dm[D_BLOCK];
     const int64_t qs = hq * d, kvs = hkv * d, qkvw = qs + 2 * kvs;
-    const int rc = check_step(dm, pos, slots, tables, lens); /* same verdict on every thread */
-    if (rc) return rc;
-
     int64_t *rows = (int64_t *)scratch; /* rows[i] = i: query row = table row (aligned first) */
     float *resid = scratch + 2 * m, *x = resid + m * hid, *qkv = x + m * hid, *q = qkv + m * qkvw;
     float *k = q + m * qs, *att = k + m * kvs, *o = att + m * qs, *gu = o + m * hid;
@@ -232,5 +245,67 @@ int epd_decode_stack(float *out, const float *h, const int64_t *layers, const fl
     for (int64_t i = tid; i < m; i += nt)
         epd_rms_norm(out + i * hid, resid + i * hid, cur + i * hid, resid + i * hid, final_norm, 1,
                      hid, eps);
+    return 0;
+}
+
+#define GREEDY_MAX_ROWS 64 /* per-thread copies of the step's indices live on the stack */
+
+/* Floats of scratch epd_decode_greedy needs: a step's (epd_decode_scratch), then the
+ * embeddings and hidden states [m, hidden] and the logits [m, vocab] of one step. */
+int64_t epd_decode_greedy_scratch(const int64_t *dm, int64_t nt, int64_t vocab) {
+    const int64_t step = (epd_decode_scratch(dm, nt) + 15) / 16 * 16; /* keeps h aligned */
+    return step + dm[D_ROWS] * (2 * dm[D_HIDDEN] + vocab);
+}
+
+/* `steps` greedy decode steps of m sequences in one call: step s embeds token t_s (t_0 =
+ * tokens_in) at position pos0[i] + s of row i, runs the stack (epd_decode_stack; the K/V
+ * slot is the block table's: the tables must already cover pos0[i] + steps - 1 and lens0
+ * counts step 0's context), takes the LM head head [vocab, hidden] row-major
+ * (epd_gemv_rm) and its argmax: t_{s+1}, written to tokens_out[s * m + i]. Those are the
+ * kernels and the order of a step through epd_decode_stack then epd_gemv_argmax, so at one
+ * thread the tokens and K/V writes are bitwise theirs. A team splits the head by
+ * vocabulary rows; every thread then takes the same argmax. Returns as epd_decode_stack
+ * does, or -6 for a token outside the embedding table. */
+int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float *embed,
+                      const float *head, int64_t vocab, int64_t steps, const int64_t *layers,
+                      const float *final_norm, const float *cs, const int64_t *pos0,
+                      const int32_t *tables, const int32_t *lens0, const int64_t *dm, float eps,
+                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
+    const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], bs = dm[D_BLOCK];
+    if (m > GREEDY_MAX_ROWS) return -1;
+    int64_t tok[GREEDY_MAX_ROWS], pos[GREEDY_MAX_ROWS], slots[GREEDY_MAX_ROWS];
+    int32_t lens[GREEDY_MAX_ROWS];
+    for (int64_t i = 0; i < m; i++) {
+        if (tokens_in[i] < 0 || tokens_in[i] >= vocab) return -6;
+        tok[i] = tokens_in[i];
+    }
+    float *h = scratch + (epd_decode_scratch(dm, nt) + 15) / 16 * 16;
+    float *hn = h + m * hid, *logits = hn + m * hid;
+    const int64_t lo = vocab * tid / nt, hi = vocab * (tid + 1) / nt;
+    for (int64_t s = 0; s < steps; s++) {
+        for (int64_t i = 0; i < m; i++) {
+            pos[i] = pos0[i] + s;
+            lens[i] = (int32_t)(lens0[i] + s);
+            slots[i] = -1; /* checked with the tables first, then looked up in them */
+        }
+        int rc = check_step(dm, pos, slots, tables, lens);
+        if (rc) return rc;
+        for (int64_t i = 0; i < m; i++) {
+            if (pos[i] >= lens[i]) return -4; /* the token's own slot is past the table */
+            slots[i] = (int64_t)tables[i * dm[D_TABLE_STRIDE] + pos[i] / bs] * bs + pos[i] % bs;
+        }
+        for (int64_t i = tid; i < m; i += nt)
+            memcpy(h + i * hid, embed + tok[i] * hid, sizeof(float) * (size_t)hid);
+        rc = stack_step(hn, h, layers, final_norm, cs, pos, slots, tables, lens, dm, eps, scale,
+                        scratch, sync, tid, nt);
+        if (rc) return rc;
+        int64_t err = team_sync(sync, nt); /* every row's hidden state is in hn */
+        if (err) return (int)err;
+        epd_gemv_rm(logits + lo, vocab, hn, head + lo * hid, hid, NULL, m, hid, hi - lo);
+        if ((err = team_sync(sync, nt))) return (int)err;
+        epd_argmax(tok, logits, m, vocab);
+        if (tid == 0)
+            for (int64_t i = 0; i < m; i++) tokens_out[s * m + i] = tok[i];
+    }
     return 0;
 }
