@@ -17,9 +17,6 @@ from services.kernels.metadata import AttentionMetadata, DecoderStack, SamplingT
 
 class Backend(Protocol):
     name: str
-    # The LM head's GEMV reads W [vocab, hidden] row-major faster than W^T: models on CPU
-    # then keep the head as it is and only the layers' linears column-major.
-    row_major_head: bool
 
     def write_kv(
         self,

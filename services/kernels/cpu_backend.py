@@ -8,7 +8,8 @@ op of the same contract, so the backend is always complete.
   reads K/V in place from the paged cache (torch must gather blocks, then SDPA reads them
   again): about 2.5x faster here at 64 x 160 tokens.
 - Linear: a streaming GEMV for 1-4 rows (batch-1 decode is bound by weight reads) on W^T
-  or W row-major (models keep layers as W^T, the LM head row-major: see epd_gemv_rm), and
+  (the column-major weights models keep on CPU) or W row-major (a tied LM head, i.e. the
+  embedding table: see epd_gemv_rm), and
   oneDNN's fp32 GEMM for 8 rows or more (5-25 % faster than MKL's on the shapes of a
   decode step on this AMD CPU, where MKL does not use its AVX-512 path); F.linear between.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
@@ -38,19 +39,7 @@ GEMM_MIN_ROWS = 8
 # in L2 at 4 KV heads x 64); beyond, SDPA's query tiling wins.
 NATIVE_EXTEND_MAX = 1024
 _F32 = torch.float32
-_ptr, _fp32 = cpu_native.ptr, cpu_native.fp32
-
-
-def _layout(weight: torch.Tensor) -> int | None:
-    """How the GEMV kernels read a weight [n, k]: 1 = W^T contiguous (the column-major
-    layers models keep on CPU), 0 = W row-major (nn.Linear's own, a tied embedding, the
-    LM head), None = neither (or not fp32 on CPU): torch's op serves."""
-    if weight.dtype is not _F32 or weight.device.type != "cpu" or weight.dim() != 2:
-        return None
-    n, k = weight.shape
-    if weight.stride() == (1, n):
-        return 1
-    return 0 if weight.stride() == (k, 1) else None
+_ptr, _fp32, _layout = cpu_native.ptr, cpu_native.fp32, cpu_native.gemv_layout
 
 
 def _mkldnn_linear_works() -> bool:
@@ -101,7 +90,6 @@ class CpuBackend:
     """Backend object (see ``services.kernels.backend``) over the native CPU kernels."""
 
     name = "cpu"
-    row_major_head = True  # epd_gemv_rm: see csrc/epd_cpu.c
     write_kv = staticmethod(ref.write_kv)
 
     def __init__(self, lib: ctypes.CDLL):

@@ -36,8 +36,8 @@ _SIGNATURES = {
     "epd_decode_stack": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F, _P, _P,
                                         _I64, _I64]),
     "epd_decode_scratch": (_I64, [_P, _I64]),
-    "epd_decode_greedy": (ctypes.c_int, [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P,
-                                         _F, _F, _P, _P, _I64, _I64]),
+    "epd_decode_greedy": (ctypes.c_int, [_P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, _P, _P,
+                                         _P, _P, _P, _P, _F, _F, _P, _P, _I64, _I64]),
     "epd_decode_greedy_scratch": (_I64, [_P, _I64, _I64]),
     "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
@@ -63,6 +63,18 @@ def fp32(*ts: torch.Tensor) -> bool:
         if t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             return False
     return True
+
+
+def gemv_layout(weight: torch.Tensor) -> int | None:
+    """How the GEMV kernels read a weight W [n, k]: 1 = W^T contiguous (the column-major
+    weights models keep on CPU), 0 = W row-major (nn.Linear's own, e.g. a tied LM head),
+    None = neither, or not fp32 on CPU (torch's op serves)."""
+    if weight.dtype is not torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if weight.stride() == (1, n):
+        return 1
+    return 0 if weight.stride() == (k, 1) else None
 
 
 def default_cache_dir() -> str:

@@ -10,6 +10,7 @@ import os
 import torch
 
 from services.kernels.cpu_native import fp32 as _fp32
+from services.kernels.cpu_native import gemv_layout
 from services.kernels.cpu_native import ptr as _ptr
 from services.kernels.metadata import DecoderStack
 
@@ -174,8 +175,9 @@ class NativeStack:
         """``Backend.decode_greedy`` (``run_team`` as in ``run``)."""
         m = tokens.shape[0]
         vocab, hid = head.shape
+        transposed = gemv_layout(head)  # W^T (models' column-major) or W (a tied head)
         if (
-            steps < 1 or tokens.dim() != 1 or not _fp32(embed, head) or head.stride() != (hid, 1)
+            steps < 1 or tokens.dim() != 1 or transposed is None or not _fp32(embed)
             or hid != stack.hidden_size or embed.shape != head.shape
         ):  # fmt: skip
             return None
@@ -188,7 +190,7 @@ class NativeStack:
         dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms, vocab)
         out = torch.empty(steps, m, dtype=torch.int64)
         self._run_team(sp, team, lambda tid: self.lib.epd_decode_greedy(
-            _ptr(out), _ptr(ids), _ptr(embed), _ptr(head), vocab,
+            _ptr(out), _ptr(ids), _ptr(embed), _ptr(head), transposed, vocab,
             steps, _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope), _ptr(pos),
             _ptr(tables), _ptr(lens), _ptr(dims), stack.eps, stack.head_dim**-0.5,
             _ptr(scratch), _ptr(sync), tid, team,

@@ -257,7 +257,6 @@ class TorchBackend:
     """Backend object over the functions above (see ``services.kernels.backend``)."""
 
     name = "torch"
-    row_major_head = False  # MKL: one row times W^T is faster (see _column_major_linears)
     write_kv = staticmethod(write_kv)
     attention = staticmethod(attention)
     rms_norm = staticmethod(rms_norm)

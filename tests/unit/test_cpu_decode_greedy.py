@@ -69,9 +69,12 @@ def _parts(llm):
     "kind,over", CASES, ids=[f"{k}{'-' if o else ''}{'-'.join(o)}" for k, o in CASES]
 )
 @pytest.mark.parametrize("rows", [1, 3])
-def test_burst_matches_step_by_step(tiny_root, threads, kind, over, rows):
+@pytest.mark.parametrize("layout", ["W^T", "W"])
+def test_burst_matches_step_by_step(tiny_root, threads, kind, over, rows, layout):
+    """The head as models keep it on CPU (W^T), or row-major (a tied head's layout)."""
     llm = _llm(tiny_root, kind, over)
     model, stack, embed, head, be = _parts(llm)
+    head = head.t().contiguous().t() if layout == "W^T" else head.contiguous()
     kv = llm.engine.kv
     gen = torch.Generator().manual_seed(rows)
     lens = [int(x) for x in torch.randint(1, 30, (rows,), generator=gen)]
@@ -114,7 +117,8 @@ def test_bad_tokens_and_short_tables_are_rejected(tiny_root, threads):
 
 
 def test_left_to_the_callers_loop(tiny_root):
-    """More rows than the GEMV takes, a W^T head, no steps, or the torch backend."""
+    """More rows than the GEMV takes, a head in neither GEMV layout, no steps, or the
+    torch backend."""
     llm = _llm(tiny_root, "llama", {})
     model, stack, embed, head, be = _parts(llm)
     kv = llm.engine.kv
@@ -125,8 +129,8 @@ def test_left_to_the_callers_loop(tiny_root):
                                 kv.layers, meta, 2) is None  # fmt: skip
         meta, pos = _burst_meta([3], 2, kv.num_blocks, gen)
         one = torch.ones(1, dtype=torch.long)
-        head_t = head.t().contiguous().t()
-        assert be.decode_greedy(stack, embed, head_t, one, pos, kv.layers, meta, 2) is None
+        strided = torch.randn(head.shape[0], 2 * head.shape[1])[:, ::2]
+        assert be.decode_greedy(stack, embed, strided, one, pos, kv.layers, meta, 2) is None
         assert be.decode_greedy(stack, embed, head, one, pos, kv.layers, meta, 0) is None
         assert TorchBackend().decode_greedy(stack, embed, head, one, pos, kv.layers, meta,
                                             2) is None  # fmt: skip

@@ -260,14 +260,16 @@ int64_t epd_decode_greedy_scratch(const int64_t *dm, int64_t nt, int64_t vocab) 
 /* `steps` greedy decode steps of m sequences in one call: step s embeds token t_s (t_0 =
  * tokens_in) at position pos0[i] + s of row i, runs the stack (epd_decode_stack; the K/V
  * slot is the block table's: the tables must already cover pos0[i] + steps - 1 and lens0
- * counts step 0's context), takes the LM head head [vocab, hidden] row-major
- * (epd_gemv_rm) and its argmax: t_{s+1}, written to tokens_out[s * m + i]. Those are the
- * kernels and the order of a step through epd_decode_stack then epd_gemv_argmax, so at one
- * thread the tokens and K/V writes are bitwise theirs. A team splits the head by
- * vocabulary rows; every thread then takes the same argmax. Returns as epd_decode_stack
- * does, or -6 for a token outside the embedding table. */
+ * counts step 0's context), takes the LM head W [vocab, hidden] and its argmax: t_{s+1},
+ * written to tokens_out[s * m + i]. head holds W^T row-major (head_transposed = 1,
+ * epd_gemv_t) or W row-major (0, epd_gemv_rm). Those are the kernels and the order of a
+ * step through epd_decode_stack then epd_gemv_argmax, so at one thread the tokens and K/V
+ * writes are bitwise theirs. A team splits the head by vocabulary entries (each logit is
+ * summed as one thread would); every thread then takes the same argmax. Returns as
+ * epd_decode_stack does, or -6 for a token outside the embedding table. */
 int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float *embed,
-                      const float *head, int64_t vocab, int64_t steps, const int64_t *layers,
+                      const float *head, int head_transposed, int64_t vocab, int64_t steps,
+                      const int64_t *layers,
                       const float *final_norm, const float *cs, const int64_t *pos0,
                       const int32_t *tables, const int32_t *lens0, const int64_t *dm, float eps,
                       float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
@@ -301,7 +303,10 @@ int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float
         if (rc) return rc;
         int64_t err = team_sync(sync, nt); /* every row's hidden state is in hn */
         if (err) return (int)err;
-        epd_gemv_rm(logits + lo, vocab, hn, head + lo * hid, hid, NULL, m, hid, hi - lo);
+        if (head_transposed)
+            epd_gemv_t(logits + lo, vocab, hn, head + lo, vocab, NULL, m, hid, hi - lo);
+        else
+            epd_gemv_rm(logits + lo, vocab, hn, head + lo * hid, hid, NULL, m, hid, hi - lo);
         if ((err = team_sync(sync, nt))) return (int)err;
         epd_argmax(tok, logits, m, vocab);
         if (tid == 0)
