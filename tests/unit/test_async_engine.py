@@ -115,3 +115,23 @@ def test_prefill_export_then_decode_import_matches_aggregated(ckpt):
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
     assert decode.block_manager.num_free_blocks == 128
+
+
+async def test_multi_step_streams_the_same_tokens(ckpt):
+    """num_scheduler_steps: greedy streams arrive a burst at a time, same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=10)
+    ref = _reference(ckpt, params)
+    eng = AsyncEngine(_engine(ckpt, num_scheduler_steps=4))
+    eng.start()
+
+    async def stream(i, p):
+        deltas = [o.outputs[0].token_ids_delta async for o in
+                  eng.generate(f"m{i}", {"prompt_token_ids": p}, params)]  # fmt: skip
+        return deltas
+
+    try:
+        streams = await asyncio.gather(*[stream(i, p) for i, p in enumerate(PROMPTS)])
+    finally:
+        await eng.shutdown()
+    assert [[t for d in s for t in d] for s in streams] == ref
+    assert any(len(d) > 1 for s in streams for d in s)  # some outputs carried a burst
