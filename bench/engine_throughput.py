@@ -16,8 +16,10 @@ that drift of the machine hits them alike; each system's best round is reported.
   its batch; only each request's own output tokens count, for both systems. Goal: >= 2.5x.
 - Batch-1 decode: our decode tokens/s against the memory-bandwidth floor, i.e. the bytes
   of every weight read per step (all parameters but the gathered embedding table) over
-  the read bandwidth of a large-tensor sum measured in the same run: five rounds, each a
-  bandwidth sample then a decode run, best of each. Goal: >= 80 %.
+  the read bandwidth of a large-tensor sum measured in the same run (its fastest ~40 ms
+  sum): five rounds, each a bandwidth sample then decode runs, best of each; one step per
+  scheduling round and num_scheduler_steps=8. Goal: >= 80 %. Printed beside it: the
+  bandwidth held over as long as a decode round (~1 s), a like-for-like comparison.
 
 Prefix caching is off in our engine: rounds repeat the same prompts, and transformers
 caches nothing between calls. Our engine runs with its defaults otherwise: the CPU backend
@@ -185,16 +187,18 @@ def decode_rate_ours(llm: LLM, prompt: list[int], new: int, tag: str, steps: int
     return (new - 1) / sum(times[1:])
 
 
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes/s of a one-thread sum over a tensor far larger than the caches (best rep)."""
+def read_bandwidth(nbytes: int = 1 << 30, seconds: float = 0.8) -> tuple[float, float]:
+    """Bytes/s of one-thread sums over a tensor far larger than the caches, repeated for
+    about ``seconds`` (a decode round's length): (the best of the first five, all of them
+    together)."""
     x = torch.ones(nbytes // 4)
     x.sum()
-    best = float("inf")
-    for _ in range(reps):
+    times: list[float] = []
+    while sum(times) < seconds or len(times) < 5:
         t0 = time.perf_counter()
         x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times[:5]), nbytes * len(times) / sum(times)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -262,15 +266,17 @@ def bench_batch1(llm, s: Sizes) -> list[bool]:
     k = s.b1_steps
     for steps in (1, k):  # warms the single-request paths
         decode_rate_ours(llm, prompt, s.b1_new, f"b1-warm-{steps}", steps)
-    single, multi, bws = [], [], []
+    single, multi, bws, held = [], [], [], []
     for r in range(s.b1_rounds):
-        bws.append(read_bandwidth())
+        peak, sustained = read_bandwidth()
+        bws.append(peak)
+        held.append(sustained)
         single.append(decode_rate_ours(llm, prompt, s.b1_new, f"b1-{r}"))
         multi.append(decode_rate_ours(llm, prompt, s.b1_new, f"b1-{r}-x{k}", k))
     floor = best(bws) / nbytes
     print(f"Batch-1 decode: {s.b1_prompt_len}-token prompt, {s.b1_new} new tokens")
     print(f"  weight bytes per step {nbytes / 1e6:.1f} MB, read bandwidth {best(bws) / 1e9:.2f} "
-          f"GB/s (sum of 1 GiB, best of {len(bws)}: "
+          f"GB/s (the fastest sum of 1 GiB, ~40 ms, in {len(bws)} rounds: "
           f"{', '.join(f'{b / 1e9:.1f}' for b in bws)})")  # fmt: skip
     print(f"  floor                         {floor:8.1f} tok/s")
     for name, rates in ((" one step per round", single), (f" num_scheduler_steps={k}", multi)):
@@ -279,6 +285,10 @@ def bench_batch1(llm, s: Sizes) -> list[bool]:
         print(f"  ours,{name:<25}{fmt(rates)}: {100 * best(rates) / floor:.1f} % of the floor")
         print(f"    each round / its own floor  {', '.join(f'{p:.1f}' for p in paired)} % "
               f"(median {paired[len(paired) // 2]:.1f} %)")  # fmt: skip
+    # A decode round is a ~1 s average; so is this bandwidth (the same sums, all counted).
+    print(f"  read bandwidth held over ~{0.8:.1f} s (as long as a decode round): best "
+          f"{best(held) / 1e9:.2f} GB/s ({', '.join(f'{b / 1e9:.1f}' for b in held)}); "
+          f"ours x{k} against it: {100 * best(multi) * nbytes / best(held):.1f} %")  # fmt: skip
     return [goal(f"batch-1 decode (num_scheduler_steps={k}) / floor",
                  100 * best(multi) / floor, 80.0, " %")]  # fmt: skip
 
