@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.checkpoints import make_llava_checkpoint, make_text_checkpoint
 
@@ -22,3 +23,13 @@ def llama_ckpt(tiny_root) -> Path:
 @pytest.fixture(scope="session")
 def llava_ckpt(tiny_root) -> Path:
     return make_llava_checkpoint(tiny_root)
+
+
+@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+def threads(request):
+    """Torch's thread count (the cpu backend's whole-step team is capped at the CPUs this
+    process may use). Modules that want other counts define their own."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)

@@ -12,51 +12,19 @@ import torch.nn.functional as F
 
 from services.kernels.metadata import AttentionMetadata
 from services.kernels.torch_backend import TorchBackend
-from tests.unit.test_cpu_decode_stack import BLOCK, CASES, _llm
+from tests.unit.test_cpu_decode_stack import CASES, _llm, _step, decode_meta
 
 STEPS = 6
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _burst_meta(lens, steps, num_blocks, gen) -> tuple[AttentionMetadata, torch.Tensor]:
     """Step 0 of a burst: each sequence's block table already covers ``steps`` tokens."""
-    blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    need = [-(-(n + steps - 1) // BLOCK) for n in lens]
-    width, rows, used = max(need), [], 0
-    for n in need:
-        rows.append(blocks[used : used + n] + [0] * (width - n))
-        used += n
-    slots = [rows[i][(s - 1) // BLOCK] * BLOCK + (s - 1) % BLOCK for i, s in enumerate(lens)]
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor(rows, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=1, max_seq_len=max(lens),
-        query_lens_cpu=[1] * len(lens), seq_lens_cpu=list(lens),
-    )  # fmt: skip
-    return meta, torch.tensor([s - 1 for s in lens], dtype=torch.int64)
+    return _step(lens, num_blocks, gen, width_pad=0, ahead=steps - 1)
 
 
 def _one_on(meta: AttentionMetadata, s: int) -> tuple[AttentionMetadata, torch.Tensor]:
     """Step s of the burst as an ordinary decode step."""
-    lens = [n + s for n in meta.seq_lens_cpu]
-    rows = meta.block_tables.tolist()
-    slots = [rows[i][(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)]
-    step = AttentionMetadata(
-        query_start_loc=meta.query_start_loc, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=meta.block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=1, max_seq_len=max(lens), query_lens_cpu=meta.query_lens_cpu,
-        seq_lens_cpu=lens,
-    )  # fmt: skip
-    return step, torch.tensor([n - 1 for n in lens], dtype=torch.int64)
+    return decode_meta(meta.block_tables.tolist(), [n + s for n in meta.seq_lens_cpu])
 
 
 def _parts(llm):

@@ -32,15 +32,6 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
-def threads(request):
-    """Torch's thread count; the team is capped at the CPUs this process may use."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _llm(tiny_root, kind, over) -> LLM:
     path = make_text_checkpoint(tiny_root, kind, seed=10 + len(over), **over)
     llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, attention_backend="cpu")
@@ -52,17 +43,24 @@ def _llm(tiny_root, kind, over) -> LLM:
     return llm
 
 
-def _step(seq_lens, num_blocks, gen, width_pad=1) -> tuple[AttentionMetadata, torch.Tensor]:
-    """A decode step: one new token per sequence, at the end of its context."""
+def _step(
+    seq_lens, num_blocks, gen, width_pad=1, ahead=0
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A decode step: one new token per sequence, at the end of its context; each block
+    table covers ``ahead`` more tokens (a burst's later steps)."""
     blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    rows, slots, used = [], [], 0
-    width = max(-(-s // BLOCK) for s in seq_lens) + width_pad
-    for s in seq_lens:
-        n = -(-s // BLOCK)
-        row = blocks[used : used + n]
+    rows, used = [], 0
+    need = [-(-(s + ahead) // BLOCK) for s in seq_lens]
+    width = max(need) + width_pad
+    for n in need:
+        rows.append(blocks[used : used + n] + [0] * (width - n))
         used += n
-        slots.append(row[(s - 1) // BLOCK] * BLOCK + (s - 1) % BLOCK)
-        rows.append(row + [0] * (width - n))
+    return decode_meta(rows, seq_lens)
+
+
+def decode_meta(rows: list[list[int]], seq_lens) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A decode step's metadata and positions for these block tables and lengths."""
+    slots = [rows[i][(s - 1) // BLOCK] * BLOCK + (s - 1) % BLOCK for i, s in enumerate(seq_lens)]
     meta = AttentionMetadata(
         query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),

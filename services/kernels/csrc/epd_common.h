@@ -12,11 +12,13 @@
 
 /* Sum of VW partial sums as a tree (vectorizes; a serial chain would cost ~VW adds of
  * latency for every short dot product). */
-static inline float hsum(float *acc) {
-    for (int w = VW / 2; w > 0; w /= 2)
+static inline float tree_sum(float *acc, int n) { /* n a power of two */
+    for (int w = n / 2; w > 0; w /= 2)
         for (int j = 0; j < w; j++) acc[j] += acc[j + w];
     return acc[0];
 }
+
+static inline float hsum(float *acc) { return tree_sum(acc, VW); }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc[VW] = {0};

@@ -59,9 +59,7 @@ void epd_gemv_rm(float *y, int64_t ldy, const float *x, const float *w, int64_t 
                 for (int q = 0; q < RW; q++) acc[q] += wj[i + q] * xr[i + q];
             float s = 0.f;
             for (; i < k; i++) s += wj[i] * xr[i];
-            for (int h = RW / 2; h > 0; h /= 2)
-                for (int q = 0; q < h; q++) acc[q] += acc[q + h];
-            y[r * ldy + j] = acc[0] + s + (bias ? bias[j] : 0.f);
+            y[r * ldy + j] = tree_sum(acc, RW) + s + (bias ? bias[j] : 0.f);
         }
     }
 }
