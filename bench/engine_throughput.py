@@ -38,7 +38,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from _hf_baseline import hf_batches, hf_padded, hf_sequential, load_hf  # noqa: E402
+
 from services import LLM, SamplingParams  # noqa: E402
 
 CKPT_VERSION = 1
@@ -98,14 +101,6 @@ def ensure_checkpoint(root: Path) -> Path:
     return out
 
 
-def load_hf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
-    return model
-
-
 # ------------------------------------------------------------------- workloads
 
 
@@ -129,41 +124,6 @@ def run_ours(llm: LLM, prompts, out_lens) -> tuple[float, list[list[int]]]:
     ids = [o.outputs[0].token_ids for o in outs]
     assert [len(i) for i in ids] == list(out_lens), "our engine stopped early"
     return dt, ids
-
-
-@torch.inference_mode()
-def hf_padded(model, prompts, max_new: int) -> tuple[float, list[list[int]]]:
-    """Left-padded batch through ``generate``: (seconds, new ids per prompt)."""
-    pad = model.config.pad_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                         do_sample=False, pad_token_id=pad)  # fmt: skip
-    dt = time.perf_counter() - t0
-    assert out.shape[1] == width + max_new, "transformers stopped early"
-    return dt, out[:, width:].tolist()
-
-
-def hf_batches(model, prompts, out_lens, batch: int) -> float:
-    """Padded batches in arrival order, each run to its longest output; total seconds."""
-    total = 0.0
-    for i in range(0, len(prompts), batch):
-        total += hf_padded(model, prompts[i : i + batch], max(out_lens[i : i + batch]))[0]
-    return total
-
-
-def hf_sequential(model, prompts, new: int) -> tuple[float, list[list[int]]]:
-    total, ids = 0.0, []
-    for p in prompts:
-        dt, out = hf_padded(model, [p], new)
-        total += dt
-        ids.append(out[0])
-    return total, ids
 
 
 # ------------------------------------------------------------------- batch-1 decode

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from services.engine.stopping import stop_status
 
 
 @dataclass(kw_only=True)
@@ -41,32 +42,6 @@ class SchedulerConfig:
                 "without chunked prefill, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
-
-
-def _stop(request: Request) -> tuple[RequestStatus, int | None] | None:
-    """(status, stop_reason) if the request must stop after its last token."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens and request.output_token_ids:
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and last in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, last
-    # max_total_tokens folds max_tokens and max_model_len; min_tokens <= max_tokens, so
-    # only the context length can cut a request short of min_tokens.
-    if request.num_tokens >= request.max_total_tokens:
-        return RequestStatus.FINISHED_LENGTH, None
-    return None
-
-
-def check_stop(request: Request) -> RequestStatus | None:
-    """The finished status the request reaches with its last token, or None to go on.
-
-    EOS (unless ignore_eos) and ``stop_token_ids`` stop it once ``min_tokens`` outputs
-    exist; ``max_tokens`` and the context length end it whatever min_tokens says.
-    """
-    result = _stop(request)
-    return None if result is None else result[0]
 
 
 class Scheduler:
@@ -281,7 +256,7 @@ class Scheduler:
                 request.num_computed_tokens += 1
                 request.append_output_token(tokens[n])
                 n += 1
-                stop = _stop(request)
+                stop = stop_status(request)
             kept[request.request_id] = tokens[:n]
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if stop is not None:
@@ -309,7 +284,7 @@ class Scheduler:
             if token is None or not item.sample:
                 continue
             request.append_output_token(token)
-            stop = _stop(request)
+            stop = stop_status(request)
             if stop is not None:
                 request.stop_reason = stop[1]
                 self._finish(request, stop[0])

@@ -14,8 +14,9 @@ import pytest
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler, SchedulerConfig, check_stop
+from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.scheduler_output import SchedulerOutput
+from services.engine.stopping import check_stop
 from services.sampling_params import SamplingParams
 
 EOS = 2
