@@ -269,10 +269,10 @@ int64_t epd_decode_greedy_scratch(const int64_t *dm, int64_t nt, int64_t vocab) 
  * epd_decode_stack does, or -6 for a token outside the embedding table. */
 int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float *embed,
                       const float *head, int head_transposed, int64_t vocab, int64_t steps,
-                      const int64_t *layers,
-                      const float *final_norm, const float *cs, const int64_t *pos0,
-                      const int32_t *tables, const int32_t *lens0, const int64_t *dm, float eps,
-                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
+                      const int64_t *layers, const float *final_norm, const float *cs,
+                      const int64_t *pos0, const int32_t *tables, const int32_t *lens0,
+                      const int64_t *dm, float eps, float scale, float *scratch, int64_t *sync,
+                      int64_t tid, int64_t nt) {
     const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], bs = dm[D_BLOCK];
     if (m > GREEDY_MAX_ROWS) return -1;
     int64_t tok[GREEDY_MAX_ROWS], pos[GREEDY_MAX_ROWS], slots[GREEDY_MAX_ROWS];
