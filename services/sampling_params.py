@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +14,9 @@ _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 class SamplingParams:
     """How one request samples and when it stops. Validated at construction."""
 
+    # Choices generated for the prompt (vLLM's n): they share the prompt's KV blocks and
+    # each draws from its own seed stream (``choice_seed``).
+    n: int = 1
     # Softmax temperature; 0 means greedy (argmax).
     temperature: float = 1.0
     # Keep the k most likely tokens; 0 or -1 disables.
@@ -55,6 +59,8 @@ class SamplingParams:
         self._check()
 
     def _check(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.top_k < 0:
@@ -94,3 +100,15 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed`` (choice 0 keeps it).
+
+    The engine (n > 1 in one process) and the gateway (n fanned out over the fleet)
+    derive the same seeds, so a seeded request draws the same choices on either path.
+    """
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

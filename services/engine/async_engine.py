@@ -162,7 +162,7 @@ class AsyncEngine:
 
     def _abort_everything(self, error: Exception) -> None:
         failed = []
-        for rid in list(self.engine.states):
+        for rid in self.engine.request_ids():
             out = self.engine.abort_request(rid)
             if out is not None:
                 out.error = f"engine step failed: {error}"

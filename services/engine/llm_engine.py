@@ -14,6 +14,7 @@ from services.engine.input_processor import InputProcessor
 from services.engine.kv_cache import KVCachePool
 from services.engine.model_runner import ModelRunner, plain_greedy
 from services.engine.output_processor import RequestState
+from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import TokenLogprobs
 from services.engine.scheduler import Scheduler, SchedulerConfig
@@ -58,6 +59,7 @@ class LLMEngine:
             lm.fingerprint,
         )  # fmt: skip
         self.states: dict[str, RequestState] = {}
+        self.parallel = ParallelSampling()  # n > 1 requests and their choices
         self._exports: set[str] = set()
         self._rng = random.Random(config.seed)
 
@@ -79,22 +81,37 @@ class LLMEngine:
 
         ``export_kv`` is the prefill role: the request stops after its first token and
         its output carries the prompt's KV blocks for a decode instance.
+
+        ``params.n`` > 1 queues choice 0 now and its siblings once its prompt is computed
+        (parallel_sampling.py); the returned Request is choice 0's.
         """
         params = params or SamplingParams()
-        if request_id in self.states:
+        if request_id in self.states or request_id in self.parallel.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if params.n > 1 and export_kv:
+            raise ValueError("n > 1 is not served in the prefill role (one request per choice)")
         p = self.inputs.process(prompt, add_special_tokens)
         self._check_budget(len(p.token_ids))
         embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
+        if params.n == 1:
+            return self._add(request_id, p, params, embeds, final_only, export_kv)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self.parallel.add(request_id, params, base_seed, p.prompt, p.token_ids, final_only,
+                          lambda cid, sp, i, front: self._add(cid, p, sp, embeds, final_only,
+                                                              index=i, front=front))  # fmt: skip
+        return self.scheduler.get_request(child_request_id(request_id, 0))
+
+    def _add(self, request_id: str, p, params: SamplingParams, embeds, final_only: bool,
+             export_kv: bool = False, index: int = 0, front: bool = False) -> Request:  # fmt: skip
         req = Request(request_id, p.token_ids, params, self.eos_token_ids, p.spans,
                       time.monotonic(), self.max_model_len)  # fmt: skip
         # The scheduler's checks may still reject it: nothing else may be touched before
         # (no state left behind, no draw from the shared seed stream).
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req, front=front)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.runner.add_request(req, seed, embeds)
         self.states[request_id] = RequestState(request_id, p.prompt, p.token_ids, params,
-                                               self.tokenizer, final_only)  # fmt: skip
+                                               self.tokenizer, final_only, index)  # fmt: skip
         if export_kv:
             self._exports.add(request_id)
         return req
@@ -109,6 +126,8 @@ class LLMEngine:
         """
         if request_id in self.states:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if params.n > 1:
+            raise ValueError("n > 1 is not served in the decode role (one request per choice)")
         expected = (2, self.loaded.num_layers, -(-len(prompt_ids) // self.config.block_size),
                     self.config.block_size, self.model.num_kv_heads, self.model.head_dim)  # fmt: skip
         if tuple(kv_blocks.shape) != expected:
@@ -151,6 +170,11 @@ class LLMEngine:
         return list(self.model.encode_images(pixels))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (every choice of an n > 1 one) or one choice (its child id)."""
+        out = self.parallel.abort(request_id, self._abort_one)
+        return out if out is not None else self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort_request(request_id)
         state = self.states.pop(request_id, None)
         self.runner.drop_request(request_id)
@@ -160,8 +184,14 @@ class LLMEngine:
         state.finish("abort")
         return state.make_output()
 
+    def request_ids(self) -> list[str]:
+        """Ids of the unfinished requests as their callers know them (parents, not choices)."""
+        return list(self.parallel.parents) + [
+            r for r in self.states if not self.parallel.is_choice(r)
+        ]
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.parallel.pending)
 
     def _export_kv(self, sampled: dict[str, int]) -> dict[str, torch.Tensor]:
         """Copy the prompt KV of prefill-role requests before their blocks are freed."""
@@ -223,11 +253,17 @@ class LLMEngine:
             if req is not None:  # handed off to a decode instance: done here
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 touched[rid].handed_off = True
-        outputs = [s.make_output() for s in touched.values() if s.wants_output()]
-        for out in outputs:
-            out.kv_blocks = exported.get(out.request_id)
-        for out in outputs:
-            if out.finished:
-                self.states.pop(out.request_id, None)
-                self.runner.drop_request(out.request_id)
-        return outputs
+        return self._outputs(touched, exported)
+
+    def _outputs(self, touched: dict[str, RequestState], exported: dict) -> list[RequestOutput]:
+        """This step's outputs; choices of an n > 1 request merge into their parent's."""
+        produced = []
+        for rid, state in touched.items():
+            out = state.make_output() if state.wants_output() else None
+            if out is not None:
+                out.kv_blocks = exported.get(rid)
+                if out.finished:
+                    self.states.pop(rid, None)
+                    self.runner.drop_request(rid)
+            produced.append((rid, bool(state.token_ids), out))
+        return self.parallel.gather(produced)

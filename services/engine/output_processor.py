@@ -11,8 +11,10 @@ from services.tokenization import IncrementalDetokenizer
 
 class RequestState:
     def __init__(self, request_id: str, prompt, prompt_ids, params: SamplingParams, tokenizer,
-                 final_only: bool = False):  # fmt: skip
+                 final_only: bool = False, index: int = 0):  # fmt: skip
         self.request_id = request_id
+        # Which choice of an n > 1 request this is (CompletionOutput.index).
+        self.index = index
         # Only the finished output is wanted (offline ``LLM.generate``): no per-step outputs,
         # and without stop strings the text is decoded once at the end.
         self.final_only = final_only
@@ -91,7 +93,7 @@ class RequestState:
         new_ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
         comp = CompletionOutput(
-            index=0, text=self.text[:visible], token_ids=list(self.token_ids),
+            index=self.index, text=self.text[:visible], token_ids=list(self.token_ids),
             cumulative_logprob=self.cum_logprob, logprobs=self.logprobs,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             text_delta=delta, token_ids_delta=new_ids,

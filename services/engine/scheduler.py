@@ -77,9 +77,10 @@ class Scheduler:
         """The unfinished request with this id, if any."""
         return self._requests.get(request_id)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request (FIFO). A request may arrive holding imported KV blocks
-        (``block_ids`` and ``num_computed_tokens`` set); it then skips the prefix cache.
+    def add_request(self, request: Request, front: bool = False) -> None:
+        """Queue a request (FIFO; ``front``: ahead of the queue). A request may arrive
+        holding imported KV blocks (``block_ids`` and ``num_computed_tokens`` set); it
+        then skips the prefix cache.
         """
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -87,7 +88,10 @@ class Scheduler:
         self._check_fits(request)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def _check_fits(self, request: Request) -> None:
         rid = request.request_id
