@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -24,11 +23,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from cache_svc.keys import embedding_key
 from services.bus.codec import DTYPES, MAX_NDIM, tensor_from_bytes, tensor_to_bytes
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "epd:emb"
 MAGIC = b"EPDE"
 VERSION = 1
 # magic, version, dtype code, ndim; then ndim little-endian int64 dimensions.
@@ -36,8 +35,6 @@ _HEADER = struct.Struct("<4sBBB")
 _DIM = struct.Struct("<q")
 _DTYPE_CODES = {name: code for code, name in enumerate(DTYPES, start=1)}
 _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
-_HASH_RE = re.compile(r"[0-9a-f]{64}")
-_FINGERPRINT_RE = re.compile(r"[A-Za-z0-9._\-]{1,128}")
 _FAILURES = (RedisError, OSError, TimeoutError, ConnectionError)
 
 T = TypeVar("T")
@@ -66,15 +63,6 @@ def unpack_embedding(value: bytes) -> torch.Tensor:
         raise ValueError("value truncated inside the shape")
     shape = [_DIM.unpack_from(value, _HEADER.size + i * _DIM.size)[0] for i in range(ndim)]
     return tensor_from_bytes(memoryview(value)[start:], _CODE_DTYPES[code], shape)
-
-
-def embedding_key(fingerprint: str, image_hash: str) -> str:
-    """Redis key of one image's embedding under one model; ValueError on bad parts."""
-    if not _FINGERPRINT_RE.fullmatch(fingerprint):
-        raise ValueError(f"invalid model fingerprint {fingerprint!r}")
-    if not _HASH_RE.fullmatch(image_hash):
-        raise ValueError(f"image hash must be 64 lowercase hex chars, got {image_hash!r}")
-    return f"{KEY_PREFIX}:{fingerprint}:{image_hash}"
 
 
 @dataclass(frozen=True)

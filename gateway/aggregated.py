@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.events import BackendError, TokenEvent, event_from_output
+from gateway.events import BackendError, TokenEvent, events_from_output
 from gateway.prepare import PreparedRequest
 from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.parallel_sampling import child_request_id
 
 
 class AggregatedBackend:
-    """Serves prepared requests from an in-process ``AsyncEngine``."""
+    """Serves prepared requests from an in-process ``AsyncEngine`` (n > 1 included: the
+    engine runs the choices over one prompt)."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
@@ -23,18 +25,19 @@ class AggregatedBackend:
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         prompt = {"prompt_token_ids": prep.prompt_token_ids, "images": prep.images}
-        sent = 0
         n = prep.params.logprobs or 0
         try:
             async for out in self.engine.generate(prep.request_id, prompt, prep.params):
-                event = event_from_output(out, sent, n)
-                sent += len(event.token_ids)
-                yield event
+                for event in events_from_output(out, n):
+                    yield event
         except EngineDeadError as e:
             raise BackendError("UNAVAILABLE", str(e)) from e
 
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
+    async def abort(self, prep: PreparedRequest, index: int | None = None) -> None:
+        rid = prep.request_id
+        if index is not None and prep.params.n > 1:
+            rid = child_request_id(rid, index)
+        await self.engine.abort(rid)
 
     def ready(self) -> bool:
         return self.engine.alive

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 
+from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
 from gateway.grpc_server import start_grpc_server, track_health
 from gateway.prepare import RequestPreparer
@@ -21,9 +22,11 @@ class Gateway:
     """``aggregated`` runs the engine here (``epd serve all``); otherwise requests go
     E -> P -> D over NATS."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, aggregated: bool):
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, aggregated: bool,
+                 api: GatewayConfig | None = None):  # fmt: skip
         self.engine_config = engine_config
         self.config = config
+        self.api = api or GatewayConfig()
         self.aggregated = aggregated
         self.instance_id = config.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
         self.core: GatewayCore | None = None
@@ -37,8 +40,8 @@ class Gateway:
         tokenizer = load_tokenizer(info.model_dir)
         backend = await self._backend()
         await backend.start()
-        preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s)
-        self.core = GatewayCore(preparer, backend)
+        preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s, self.api)
+        self.core = GatewayCore(preparer, backend, self.api)
         self.grpc_server, self.grpc_port, health = await start_grpc_server(
             self.core, self.config.host, self.config.grpc_port
         )

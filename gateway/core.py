@@ -1,51 +1,116 @@
-"""The protocol-independent gateway: prepare, (cache,) run on a backend, stream deltas."""
+"""The protocol-independent gateway: prepare, (cache,) run on a backend, stream deltas.
+
+The gRPC server and the OpenAI app both stand on this: same validation, same limits,
+same streams of deltas (one per choice of an n > 1 request), same aborts.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from gateway.config import GatewayConfig
 from gateway.events import BackendError, TokenEvent
 from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.stream import Delta, OutputStream
+from services.metrics import REQUESTS, TTFT
 
 log = logging.getLogger(__name__)
+
+# Requests carrying this much (images, long prompts) are prepared in a worker thread:
+# hashing and header checks of megabytes do not belong on the event loop.
+_THREAD_PREPARE_BYTES = 256 << 10
 
 
 class ServingBackend(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
     def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]: ...
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, prep: PreparedRequest, index: int | None = None) -> None: ...
     def ready(self) -> bool: ...
 
 
 class GatewayCore:
     """Shared by the gRPC server and the OpenAI app."""
 
-    def __init__(self, preparer: RequestPreparer, backend: ServingBackend):
+    def __init__(self, preparer: RequestPreparer, backend: ServingBackend,
+                 config: GatewayConfig | None = None):  # fmt: skip
         self.preparer = preparer
         self.backend = backend
+        self.config = config or GatewayConfig()
         self.tokenizer = preparer.tokenizer
         self.info = preparer.info
+        self.inflight = 0
 
-    async def run(self, prep: PreparedRequest) -> AsyncIterator[tuple[Delta, OutputStream]]:
-        """Yield (delta, stream) until the request finishes; abort it on the workers if the
-        consumer stops early or a stop string ends it here."""
-        stream = OutputStream(prep, self.tokenizer)
+    async def prepare(self, **kwargs) -> PreparedRequest:
+        """RequestPreparer.prepare, in a thread when the request is large."""
+        images = kwargs.get("images") or ()
+        size = sum(len(im) for im in images) + len(kwargs.get("prompt") or "")
+        if kwargs.get("messages") is not None:
+            size += _content_size(kwargs["messages"])
+        if size >= _THREAD_PREPARE_BYTES:
+            return await asyncio.to_thread(lambda: self.preparer.prepare(**kwargs))
+        return self.preparer.prepare(**kwargs)
+
+    def check_capacity(self) -> None:
+        """RESOURCE_EXHAUSTED when this gateway already has max_inflight requests."""
+        if self.inflight >= self.config.max_inflight:
+            REQUESTS.labels("rejected").inc()
+            raise BackendError(
+                "RESOURCE_EXHAUSTED",
+                f"the server is at capacity ({self.inflight} requests in progress); retry later",
+            )
+
+    async def run(self, prep: PreparedRequest) -> AsyncIterator[tuple[Delta, list[OutputStream]]]:
+        """Yield (delta, every choice's stream) until every choice finishes; abort the
+        request on the workers if the consumer stops early, and a choice as soon as a
+        stop string ends it here."""
+        self.check_capacity()
+        self.inflight += 1
+        streams = [OutputStream(prep, self.tokenizer, i) for i in range(prep.params.n)]
         events = self.backend.generate(prep)
+        start, first, outcome = time.perf_counter(), True, "error"
         try:
             async for event in events:
-                delta = stream.add(event)
-                if delta.token_ids or delta.text or delta.finish_reason:
-                    yield delta, stream
+                stream = streams[event.index]
                 if stream.finished:
+                    continue
+                delta = stream.add(event)
+                if stream.stopped:
+                    await self.backend.abort(prep, stream.index)
+                if first and delta.token_ids:
+                    TTFT.observe(time.perf_counter() - start)
+                    first = False
+                if delta.token_ids or delta.text or delta.finish_reason:
+                    yield delta, streams
+                if all(s.finished for s in streams):
+                    outcome = "ok"
                     return
             # Accepted work is never lost silently: the client learns it did not finish.
             raise BackendError("UNAVAILABLE", "the workers stopped before the request finished")
         finally:
+            self.inflight -= 1
+            REQUESTS.labels(outcome if outcome == "ok" else "unfinished").inc()
             await events.aclose()
-            if not stream.finished or stream.stopped:
+            if not all(s.finished for s in streams):
                 log.info("aborting request", extra={"request_id": prep.request_id})
-                await self.backend.abort(prep.request_id)
+                await self.backend.abort(prep)
+
+
+def _content_size(messages) -> int:
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict):
+                    image = part.get("image")
+                    total += (
+                        len(image) if isinstance(image, bytes) else len(str(part.get("text", "")))
+                    )
+    return total

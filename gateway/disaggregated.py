@@ -8,6 +8,7 @@ and named in the prefill request, so prefill can ship the KV straight to it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,8 +23,10 @@ from services.bus.errors import BusError, NoResponders
 from services.bus.handlers import Incoming
 from services.bus.heartbeat import InstanceRegistry
 from services.config import EngineConfig, ServiceConfig
+from services.engine.parallel_sampling import child_request_id as choice_request_id
 from services.models.info import ModelInfo
 from services.runtime import connect_bus
+from services.sampling_params import choice_seed
 from services.wire import STATUS, params_to_proto, spans_to_proto
 
 log = logging.getLogger(__name__)
@@ -38,7 +41,8 @@ class DisaggregatedBackend:
         self.config = config
         self.gateway_id = gateway_id
         self.bus = self.registry = self.encoder = None
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, asyncio.Queue] = {}  # (choice) request id -> its updates
+        self.fan_outs: dict[str, list[asyncio.Task]] = {}  # n > 1: one task per choice
 
     async def start(self) -> None:
         self.info = ModelInfo.load(self.engine_config)
@@ -48,7 +52,8 @@ class DisaggregatedBackend:
                                                     subjects.ROLE_DECODE],
                                          expiry_s=self.config.instance_ttl_s)  # fmt: skip
         await self.registry.start()
-        self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s)
+        self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
+                                    lambda: self._pick(subjects.ROLE_ENCODE))  # fmt: skip
         await self.bus.subscribe(subjects.out(self.gateway_id), self._on_tokens)
 
     async def stop(self) -> None:
@@ -79,29 +84,75 @@ class DisaggregatedBackend:
         return chosen
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
-        q: asyncio.Queue = asyncio.Queue()
-        self.streams[prep.request_id] = q
+        prefill_id = self._pick(subjects.ROLE_PREFILL)
+        pushed = await self.encoder.encode(prep, prefill_id)
+        if prep.params.n == 1:
+            decode_id = self._pick(subjects.ROLE_DECODE)
+            async for event in self._choice(prep, prep.request_id, prep.params, prefill_id,
+                                            decode_id, pushed):  # fmt: skip
+                yield event
+            return
+        async for event in self._fan_out(prep, prefill_id, pushed):
+            yield event
+
+    async def _fan_out(self, prep, prefill_id: str, pushed: dict) -> AsyncIterator[TokenEvent]:
+        """n > 1 over the fleet: one request per choice (seeds as the engine derives
+        them), all on one prefill instance; the siblings start once choice 0 has its
+        first token, so its prompt blocks are in that instance's prefix cache."""
+        merged: asyncio.Queue = asyncio.Queue()
+        first_token = asyncio.Event()
+
+        async def pump(i: int) -> None:
+            try:
+                seed = None if prep.params.seed is None else choice_seed(prep.params.seed, i)
+                params = dataclasses.replace(prep.params, n=1, seed=seed)
+                if i:
+                    await first_token.wait()
+                decode_id = self._pick(subjects.ROLE_DECODE)
+                async for event in self._choice(prep, choice_request_id(prep.request_id, i),
+                                                params, prefill_id, decode_id, pushed):  # fmt: skip
+                    event.index = i
+                    merged.put_nowait(event)
+                    first_token.set()
+            except Exception as e:  # the consumer raises it
+                merged.put_nowait(e)
+                first_token.set()
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(prep.params.n)]
+        self.fan_outs[prep.request_id] = tasks
         try:
-            inline = await self.encoder.encode(prep)
-            decode_id, prefill_id = (
-                self._pick(subjects.ROLE_DECODE),
-                self._pick(subjects.ROLE_PREFILL),
-            )
-            await self._prefill(prep, prefill_id, decode_id, inline)
+            while True:
+                item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self.fan_outs.pop(prep.request_id, None)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _choice(self, prep, rid: str, params, prefill_id: str, decode_id: str,
+                      pushed: dict) -> AsyncIterator[TokenEvent]:  # fmt: skip
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[rid] = q
+        try:
+            await self._prefill(prep, rid, params, prefill_id, decode_id, pushed)
             async for event in self._events(prep, q, prefill_id, decode_id):
                 yield event
         finally:
-            self.streams.pop(prep.request_id, None)
+            self.streams.pop(rid, None)
 
-    async def _prefill(self, prep, prefill_id: str, decode_id: str, inline: dict) -> None:
+    async def _prefill(self, prep, rid: str, params, prefill_id: str, decode_id: str,
+                       pushed: dict) -> None:  # fmt: skip
         spans = spans_to_proto(prep.spans, self.encoder.keys_for(prep))
         for span in spans:
-            if span.image_hash in inline:
-                span.embedding.CopyFrom(inline[span.image_hash])
+            if span.image_hash in pushed:
+                span.embedding_ref.CopyFrom(pushed[span.image_hash])
         req = bus_pb2.PrefillRequest(
-            request_id=prep.request_id, gateway_id=self.gateway_id, decode_instance_id=decode_id,
+            request_id=rid, gateway_id=self.gateway_id, decode_instance_id=decode_id,
             prompt_token_ids=prep.prompt_token_ids, image_spans=spans,
-            sampling=params_to_proto(prep.params), deadline_unix_ms=int(prep.deadline * 1000),
+            sampling=params_to_proto(params), deadline_unix_ms=int(prep.deadline * 1000),
             eos_token_ids=self.eos, max_model_len=self.info.max_model_len,
         )  # fmt: skip
         try:
@@ -148,10 +199,19 @@ class DisaggregatedBackend:
                 f"no tokens for {self.config.stall_timeout_s:.0f}s from {role} {worker}",
             )
 
-    async def abort(self, request_id: str) -> None:
-        try:
-            await self.bus.publish(
-                subjects.ABORT, bus_pb2.Abort(request_id=request_id, reason="client")
-            )
-        except BusError as e:
-            log.warning("abort of %s not sent: %s", request_id, e)
+    async def abort(self, prep: PreparedRequest, index: int | None = None) -> None:
+        """Abort the request (every choice) or one choice on every service."""
+        ids = [prep.request_id]
+        if prep.params.n > 1:
+            indices = range(prep.params.n) if index is None else [index]
+            ids = [choice_request_id(prep.request_id, i) for i in indices]
+            tasks = self.fan_outs.get(prep.request_id, [])
+            if index is not None and index < len(tasks):
+                tasks[index].cancel()
+        for rid in ids:
+            try:
+                await self.bus.publish(
+                    subjects.ABORT, bus_pb2.Abort(request_id=rid, reason="client")
+                )
+            except BusError as e:
+                log.warning("abort of %s not sent: %s", rid, e)

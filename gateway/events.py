@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.sampler import TokenLogprobs
-from services.outputs import RequestOutput
+from services.outputs import RequestOutput, TokenLogprobs
 from services.wire import logprobs_from_dict
 
 
@@ -27,13 +26,19 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Which choice of an n > 1 request these tokens belong to.
+    index: int = 0
 
 
-def event_from_output(out: RequestOutput, sent_logprobs: int, n_logprobs: int) -> TokenEvent:
-    comp = out.outputs[0]
-    new = comp.token_ids_delta
-    lps: list[TokenLogprobs | None] = [None] * len(new)
-    if comp.logprobs is not None:
-        tail = comp.logprobs[sent_logprobs : sent_logprobs + len(new)]
-        lps = [logprobs_from_dict(t, d, n_logprobs) for t, d in zip(new, tail, strict=False)]
-    return TokenEvent(list(new), lps, comp.finish_reason, comp.stop_reason, out.num_cached_tokens)
+def events_from_output(out: RequestOutput, n_logprobs: int) -> list[TokenEvent]:
+    """One event per choice that changed in an engine output (its deltas)."""
+    events = []
+    for comp in out.outputs:
+        new = comp.token_ids_delta
+        lps: list[TokenLogprobs | None] = [None] * len(new)
+        if comp.logprobs is not None:
+            tail = comp.logprobs[len(comp.token_ids) - len(new) :]
+            lps = [logprobs_from_dict(t, d, n_logprobs) for t, d in zip(new, tail, strict=False)]
+        events.append(TokenEvent(list(new), lps, comp.finish_reason, comp.stop_reason,
+                                 out.num_cached_tokens, comp.index))  # fmt: skip
+    return events

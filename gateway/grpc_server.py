@@ -12,12 +12,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.core import GatewayCore
-from gateway.events import BackendError
-from gateway.prepare import ModelNotFoundError, PreparedRequest
+from gateway.errors import classify
+from gateway.prepare import PreparedRequest
 from gateway.stream import Delta, OutputStream
 from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pb_grpc
-from services.images import ImageError
 from services.wire import FINISH_TO_PROTO, params_kwargs
 
 log = logging.getLogger(__name__)
@@ -39,6 +38,11 @@ def _messages(chat: pb.Chat) -> list[dict]:
     return out
 
 
+def _echo(prep: PreparedRequest) -> str:
+    """The id a response carries: the client's own when it sent one."""
+    return prep.client_request_id if prep.client_request_id is not None else prep.request_id
+
+
 def _logprobs(tokenizer, delta_lps) -> list[pb.TokenLogprob]:
     out = []
     for lp in delta_lps:
@@ -51,12 +55,15 @@ def _logprobs(tokenizer, delta_lps) -> list[pb.TokenLogprob]:
 
 
 async def _abort_with_status(context, request_id: str, e: Exception) -> None:
-    if isinstance(e, BackendError):
-        await context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), e.message)
-    if isinstance(e, ValueError):  # the engine refused the request (e.g. KV pool too small)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    log.exception("request %s failed", request_id, exc_info=e)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+    failure = classify(e, request_id)
+    await context.abort(getattr(grpc.StatusCode, failure.code), failure.message)
+
+
+def usage(prep: PreparedRequest, streams: list[OutputStream]) -> pb.Usage:
+    """Token counts of the whole request (every choice)."""
+    return pb.Usage(prompt_tokens=len(prep.prompt_token_ids),
+                    completion_tokens=sum(len(s.token_ids) for s in streams),
+                    cached_tokens=max(s.num_cached_tokens for s in streams))  # fmt: skip
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -66,7 +73,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _prepare(self, request: pb.GenerateRequest, context) -> PreparedRequest:
         which = request.WhichOneof("input")
         try:
-            return self.core.preparer.prepare(
+            self.core.check_capacity()
+            return await self.core.prepare(
                 model=request.model, params=params_kwargs(request.sampling),
                 messages=_messages(request.chat) if which == "chat" else None,
                 prompt=request.prompt if which == "prompt" else None,
@@ -75,47 +83,45 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 request_id=request.request_id if request.HasField("request_id") else None,
                 cache_opt_out=request.cache_opt_out,
             )  # fmt: skip
-        except ModelNotFoundError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except (ValueError, ImageError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            await _abort_with_status(context, "", e)
 
-    def _usage(self, prep: PreparedRequest, stream: OutputStream) -> pb.Usage:
-        return pb.Usage(prompt_tokens=len(prep.prompt_token_ids),
-                        completion_tokens=len(stream.token_ids),
-                        cached_tokens=stream.num_cached_tokens)  # fmt: skip
-
-    def _response(self, prep, delta: Delta, stream) -> pb.GenerateResponse:
+    def _response(self, prep, delta: Delta, streams) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(
-            request_id=prep.request_id, token_ids=delta.token_ids, text=delta.text,
+            request_id=_echo(prep), token_ids=delta.token_ids, text=delta.text,
             logprobs=_logprobs(self.core.tokenizer, delta.logprobs),
             finish_reason=FINISH_TO_PROTO[delta.finish_reason], model=self.core.info.model_id,
+            index=delta.index,
         )  # fmt: skip
-        if delta.finish_reason is not None:
-            resp.usage.CopyFrom(self._usage(prep, stream))
+        if all(s.finished for s in streams):
+            resp.usage.CopyFrom(usage(prep, streams))
         return resp
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         prep = await self._prepare(request, context)
         try:
-            async for delta, stream in self.core.run(prep):
-                yield self._response(prep, delta, stream)
+            async for delta, streams in self.core.run(prep):
+                yield self._response(prep, delta, streams)
         except Exception as e:  # errors are values at the edge: always a status
             await _abort_with_status(context, prep.request_id, e)
 
     async def GenerateOnce(self, request, context):  # noqa: N802
         prep = await self._prepare(request, context)
-        stream = None
+        streams = []
         try:
-            async for _, current in self.core.run(prep):
-                stream = current
+            async for _, streams in self.core.run(prep):  # noqa: B007 - the last one counts
+                pass
         except Exception as e:
             await _abort_with_status(context, prep.request_id, e)
+        tok = self.core.tokenizer
+        choices = [pb.Choice(index=s.index, token_ids=s.token_ids, text=s.text,
+                             logprobs=_logprobs(tok, s.logprobs),
+                             finish_reason=FINISH_TO_PROTO[s.state.finish_reason]) for s in streams]  # fmt: skip
+        first = choices[0]
         return pb.GenerateResult(
-            request_id=prep.request_id, token_ids=stream.token_ids, text=stream.text,
-            logprobs=_logprobs(self.core.tokenizer, stream.logprobs),
-            finish_reason=FINISH_TO_PROTO[stream.state.finish_reason], usage=self._usage(prep, stream),
-            model=self.core.info.model_id,
+            request_id=_echo(prep), token_ids=first.token_ids, text=first.text,
+            logprobs=first.logprobs, finish_reason=first.finish_reason,
+            usage=usage(prep, streams), model=self.core.info.model_id, choices=choices,
         )  # fmt: skip
 
     async def ListModels(self, request, context):  # noqa: N802

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.config import GatewayConfig
 from services.chat import render_chat
 from services.engine.input_processor import InputProcessor
 from services.engine.request import ImageSpan
@@ -18,8 +19,17 @@ class ModelNotFoundError(LookupError):
     """The request names a model this deployment does not serve."""
 
 
+class InvalidRequest(ValueError):
+    """A request the gateway refuses; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class PreparedRequest:
+    # The fleet's key for this request: generated here, unique, never the client's id.
     request_id: str
     prompt_token_ids: list[int]  # placeholders expanded to one id per image token
     params: SamplingParams
@@ -30,17 +40,31 @@ class PreparedRequest:
     cache_opt_out: bool = False
     # What the semantic cache keys on: the chat messages (or prompt) as text.
     messages: list[dict] | None = None
+    # The client's own id (X-Request-Id, gRPC request_id): only echoed back.
+    client_request_id: str | None = None
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
 
 
 class RequestPreparer:
-    """Tokenizes with the checkpoint's tokenizer and chat template; checks everything."""
+    """Tokenizes with the checkpoint's tokenizer and chat template; checks everything.
 
-    def __init__(self, info: ModelInfo, tokenizer, request_timeout_s: float):
+    Images get header-only checks here; their pixels are decoded by the encoder.
+    """
+
+    def __init__(self, info: ModelInfo, tokenizer, request_timeout_s: float,
+                 limits: GatewayConfig | None = None):  # fmt: skip
         self.info = info
         self.tokenizer = tokenizer
         self.timeout_s = request_timeout_s
+        self.limits = limits or GatewayConfig()
+        self.defaults = info.default_sampling()
         self.inputs = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
-                                     info.image_token_id, info.tokens_per_image, info.fingerprint)  # fmt: skip
+                                     info.image_token_id, info.tokens_per_image, info.fingerprint,
+                                     decode_images=False,
+                                     max_image_pixels=self.limits.max_image_pixels)  # fmt: skip
 
     def check_model(self, model: str) -> None:
         if model and model != self.info.model_id:
@@ -49,7 +73,11 @@ class RequestPreparer:
             )
 
     def prepare(self, *, model: str, params: dict, messages=None, prompt=None, prompt_token_ids=None,
-                images=(), request_id: str | None = None, cache_opt_out: bool = False) -> PreparedRequest:  # fmt: skip
+                images=(), request_id: str | None = None, cache_opt_out: bool = False,
+                add_special_tokens: bool = True) -> PreparedRequest:  # fmt: skip
+        """``params``: SamplingParams keywords the client set (unset ones take the
+        checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
+        (bad values), ModelNotFoundError."""
         self.check_model(model)
         images = list(images)
         if messages is not None:
@@ -57,28 +85,68 @@ class RequestPreparer:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             images = chat_images + images
         elif prompt is None and prompt_token_ids is None:
-            raise ValueError(
+            raise InvalidRequest(
                 "the request has no input: send chat messages, a prompt or prompt_token_ids"
             )
+        self._check_images(images)
         processed = self.inputs.process(
-            {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "images": images}
+            {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "images": images},
+            add_special_tokens,
         )
         sp = self._params(params, len(processed.token_ids))
-        raw = [bytes(im) if isinstance(im, bytes | bytearray | memoryview) else im for im in images]
+        raw = [bytes(im) for im in images]
         return PreparedRequest(
-            request_id=request_id or f"req-{uuid.uuid4().hex[:16]}",
-            prompt_token_ids=processed.token_ids, params=sp, images=raw, spans=processed.spans,
-            prompt_text=prompt, deadline=time.time() + self.timeout_s, cache_opt_out=cache_opt_out,
-            messages=messages,
+            request_id=new_request_id(), prompt_token_ids=processed.token_ids, params=sp,
+            images=raw, spans=processed.spans, prompt_text=prompt,
+            deadline=time.time() + self.timeout_s, cache_opt_out=cache_opt_out,
+            messages=messages, client_request_id=request_id,
         )  # fmt: skip
 
-    def _params(self, kw: dict, prompt_len: int) -> SamplingParams:
-        kw = dict(kw)
+    def _check_images(self, images: list) -> None:
+        lim = self.limits
+        if len(images) > lim.max_images:
+            raise InvalidRequest(
+                f"{len(images)} images in one request; at most {lim.max_images}", "messages"
+            )
+        for im in images:
+            if not isinstance(im, bytes | bytearray | memoryview):
+                raise InvalidRequest("images must be encoded image files (bytes)", "messages")
+            if len(im) > lim.max_image_bytes:
+                raise InvalidRequest(
+                    f"an image of {len(im)} bytes is over the limit of {lim.max_image_bytes}",
+                    "messages",
+                )
+
+    def _params(self, given: dict, prompt_len: int) -> SamplingParams:
+        kw = {**self.defaults, **{k: v for k, v in given.items() if v is not None}}
+        self._check_limits(kw)
         room = self.info.max_model_len - prompt_len
         if kw.get("max_tokens") is None:
             kw["max_tokens"] = room
+        elif kw["max_tokens"] > room:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.info.max_model_len} tokens. "
+                f"However, you requested {prompt_len + kw['max_tokens']} tokens "
+                f"({prompt_len} in the prompt, {kw['max_tokens']} in the completion). "
+                "Please reduce the length of the prompt or of the completion.",
+                "max_tokens",
+            )
         # Every hop must draw the same random numbers: fix a seed for sampled requests.
         if kw.get("seed") is None and kw.get("temperature", 1.0) > 1e-5:
             kw["seed"] = secrets.randbits(62)
         kw["detokenize"] = False
         return SamplingParams(**kw)
+
+    def _check_limits(self, kw: dict) -> None:
+        lim = self.limits
+        n = kw.get("n", 1)
+        if isinstance(n, int) and n > lim.max_n:
+            raise InvalidRequest(f"n must be at most {lim.max_n}, got {n}", "n")
+        stop = kw.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if len(stop) > lim.max_stop:
+            raise InvalidRequest(f"{len(stop)} stop strings; at most {lim.max_stop}", "stop")
+        if any(isinstance(s, str) and len(s) > lim.max_stop_chars for s in stop):
+            raise InvalidRequest(
+                f"a stop string is longer than {lim.max_stop_chars} characters", "stop"
+            )

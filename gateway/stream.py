@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gateway.events import TokenEvent
 from gateway.prepare import PreparedRequest
 from services.engine.output_processor import RequestState
-from services.engine.sampler import TokenLogprobs
+from services.outputs import TokenLogprobs
 
 
 @dataclass
@@ -18,6 +18,7 @@ class Delta:
     logprobs: list[TokenLogprobs | None]
     finish_reason: str | None
     stop_reason: int | str | None
+    index: int = 0  # the choice
 
 
 class OutputStream:
@@ -27,10 +28,11 @@ class OutputStream:
     abort it on the workers, which do not know stop strings.
     """
 
-    def __init__(self, prep: PreparedRequest, tokenizer):
+    def __init__(self, prep: PreparedRequest, tokenizer, index: int = 0):
         params = dataclasses.replace(prep.params, detokenize=True)
+        self.index = index
         self.state = RequestState(prep.request_id, prep.prompt_text, prep.prompt_token_ids,
-                                  params, tokenizer)  # fmt: skip
+                                  params, tokenizer, index=index)  # fmt: skip
         self.num_cached_tokens = 0
         self.stopped = False
         self._lps: list[TokenLogprobs | None] = []
@@ -56,7 +58,7 @@ class OutputStream:
         out = self.state.make_output().outputs[0]
         new = self.state.token_ids[start:]
         return Delta(new, out.text_delta, self._lps[start : start + len(new)],
-                     self.state.finish_reason, self.state.stop_reason)  # fmt: skip
+                     self.state.finish_reason, self.state.stop_reason, self.index)  # fmt: skip
 
     @property
     def text(self) -> str:

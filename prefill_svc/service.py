@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
+from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig, unpack_embedding
 from prefill_svc.handoff import HandOff, first_token_update
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
-from services.bus.codec import tensor_from_proto
-from services.bus.deadline import remaining_s
+from services.bus.blobs import BlobInbox
+from services.bus.deadline import remaining_s, timeout_for
+from services.bus.errors import BusError
 from services.bus.handlers import Incoming
 from services.config import EngineConfig, ServiceConfig
 from services.engine.llm_engine import LLMEngine
@@ -31,10 +32,12 @@ class PrefillService(EngineService):
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
         super().__init__(engine_config, config)
-        self.store = None
+        self.store = self.blobs = None
 
     async def _register(self, llm: LLMEngine) -> None:
         self.store = EmbeddingStore.from_config(EmbeddingStoreConfig(url=self.config.redis_url))
+        self.blobs = BlobInbox(self.bus, self.instance_id, self.config.max_blob_mb << 20)
+        await self.blobs.start()
         self.handoff = HandOff(
             self.bus, NatsKVSender(self.bus), self.instance_id, self.config.bus_timeout_s
         )
@@ -77,21 +80,39 @@ class PrefillService(EngineService):
         return None
 
     async def _embeddings(self, req: bus_pb2.PrefillRequest) -> list:
+        """Each span's embedding (Redis, or a blob the encoder sent here), checked
+        against the model: rows = the span's placeholders, columns = its hidden size."""
         out = []
-        fingerprint = self.engine.engine.loaded.fingerprint
+        llm = self.engine.engine
+        fingerprint, hidden = llm.loaded.fingerprint, llm.loaded.text_config.hidden_size
         for span in req.image_spans:
-            if span.HasField("embedding"):
-                emb = tensor_from_proto(span.embedding, expected_shape=[span.length, None])
+            if span.HasField("embedding_ref"):
+                emb = await self._pushed_embedding(req, span)
             else:
                 emb = await self.store.get(fingerprint, span.image_hash)
             if emb is None:
                 raise LookupError(f"embedding of image {span.image_hash[:12]} is not in the cache")
-            if emb.shape[0] != span.length:
-                raise ValueError(
-                    f"embedding of image {span.image_hash[:12]} has {emb.shape[0]} rows, expected {span.length}"
-                )
+            if (
+                emb.dim() != 2
+                or list(emb.shape) != [span.length, hidden]
+                or not emb.is_floating_point()
+            ):
+                raise ValueError(f"embedding of image {span.image_hash[:12]} is {emb.dtype} "
+                                 f"{list(emb.shape)}, expected floats [{span.length}, {hidden}]")  # fmt: skip
             out.append(emb)
         return out
+
+    async def _pushed_embedding(self, req: bus_pb2.PrefillRequest, span):
+        try:
+            timeout = timeout_for(
+                req.deadline_unix_ms, "embedding receive", self.config.bus_timeout_s
+            )
+            data = await self.blobs.take(span.embedding_ref, timeout)
+        except BusError as e:
+            raise LookupError(
+                f"embedding of image {span.image_hash[:12]} did not arrive: {e}"
+            ) from e
+        return unpack_embedding(bytes(data))
 
     def _on_outputs(self, outputs) -> None:
         """One TokenBatch per gateway with this step's first tokens, then the hand-offs."""
@@ -111,5 +132,7 @@ class PrefillService(EngineService):
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 
     async def _close_extra(self) -> None:
+        if self.blobs is not None:
+            await self.blobs.close()
         if self.store is not None:
             await self.store.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from services.images import ImageError
+from services.image_checks import ImageError
 
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 

@@ -19,6 +19,8 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 def _coerce(raw: str, kind: Any) -> Any:
     text, value = str(kind), raw.strip().lower()
+    if text.startswith("tuple"):  # a list option: comma-separated
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     if "bool" in text:
         if value not in _TRUE | _FALSE:
             # A typo must not silently read as False.
@@ -164,6 +166,9 @@ class ServiceConfig:
     encode_batch_window_ms: float = 0.0
     # Seconds in-flight work may take to finish at shutdown.
     shutdown_grace_s: float = 10.0
+    # Largest payload an instance accepts as a blob (an image sent to an encoder, an
+    # embedding sent to prefill), in MiB: what one receive may buffer.
+    max_blob_mb: int = 256
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "stall_timeout_s", "bus_timeout_s", "heartbeat_s",
@@ -173,6 +178,8 @@ class ServiceConfig:
         # Port 0 asks the OS for a free port (tests).
         if not 0 <= self.grpc_port < 65536:
             raise ValueError("grpc_port must be in 0..65535")
+        if self.max_blob_mb < 1:
+            raise ValueError("max_blob_mb must be >= 1")
         if self.embedding_ttl_s <= 0 or self.encode_batch_window_ms < 0:
             raise ValueError("embedding_ttl_s must be > 0 and encode_batch_window_ms >= 0")
 

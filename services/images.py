@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 from pathlib import Path
 
 import torch
 from PIL import Image, UnidentifiedImageError
 
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+from services.image_checks import MAX_IMAGE_PIXELS, ImageError, image_bytes, image_hash
 
-
-class ImageError(ValueError):
-    """An image could not be decoded."""
+__all__ = ["ImageError", "ImagePreprocessor", "decode_image", "image_bytes", "image_hash"]
 
 
 def decode_image(data: bytes | Image.Image) -> Image.Image:
@@ -27,30 +24,15 @@ def decode_image(data: bytes | Image.Image) -> Image.Image:
         if img.width * img.height > MAX_IMAGE_PIXELS:
             raise ImageError(f"image too large: {img.width}x{img.height}")
         img.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise ImageError(f"undecodable image: {e}") from e
     return img.convert("RGB")
 
 
-def image_bytes(data: bytes | Image.Image) -> bytes:
-    """Canonical bytes to hash: the encoded bytes as sent, or a PIL image's raw pixels."""
-    if isinstance(data, Image.Image):
-        rgb = data.convert("RGB")
-        return f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes()
-    return bytes(data)
-
-
-def image_hash(data: bytes | Image.Image, fingerprint: str = "") -> str:
-    """sha256 over the image bytes and the model / preprocessing fingerprint."""
-    h = hashlib.sha256()
-    h.update(fingerprint.encode())
-    h.update(b"\0")
-    h.update(image_bytes(data))
-    return h.hexdigest()
-
-
 class ImagePreprocessor:
-    """The checkpoint's ``preprocessor_config.json``, through transformers (PIL backend)."""
+    """The checkpoint's image processor, through transformers (PIL backend): from
+    ``preprocessor_config.json``, or nested in ``processor_config.json`` as transformers 5's
+    ``LlavaProcessor.save_pretrained`` writes it."""
 
     def __init__(self, model_dir: str | Path):
         from transformers import AutoImageProcessor
@@ -63,7 +45,6 @@ class ImagePreprocessor:
             self.processor = AutoImageProcessor.from_pretrained(
                 str(model_dir), local_files_only=True, use_fast=False
             )
-        self.config_json = (Path(model_dir) / "preprocessor_config.json").read_text()
 
     def __call__(self, images: list[Image.Image]) -> torch.Tensor:
         """[N] PIL images -> pixel values [N, C, H, W] fp32."""

@@ -26,12 +26,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults."""
-        gen = self.engine.loaded.info.generation_config
-        keys = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
-        values = {k: gen[k] for k in keys if gen.get(k) is not None}
-        if gen.get("do_sample") is False:
-            values["temperature"] = 0.0
-        return SamplingParams(**values)
+        return SamplingParams(**self.engine.loaded.info.default_sampling())
 
     def generate(
         self, prompts, sampling_params=None, use_tqdm: bool = False

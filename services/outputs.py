@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs of the raw model distribution for one sampled token."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
 class Logprob:
     logprob: float
     rank: int | None = None

@@ -5,8 +5,7 @@ from __future__ import annotations
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
 from services.engine.request import ImageSpan
-from services.engine.sampler import TokenLogprobs
-from services.outputs import Logprob
+from services.outputs import Logprob, TokenLogprobs
 from services.sampling_params import SamplingParams
 
 _SCALARS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
@@ -34,7 +33,7 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(**{k: getattr(sp, k) for k in _SCALARS},
                             stop_token_ids=sp.stop_token_ids, stop=sp.stop,
                             skip_special_tokens=sp.skip_special_tokens, detokenize=sp.detokenize)  # fmt: skip
-    for name in ("seed", "max_tokens", "logprobs"):
+    for name in ("seed", "max_tokens", "logprobs", "n"):
         if getattr(sp, name) is not None:
             setattr(msg, name, getattr(sp, name))
     return msg
@@ -48,7 +47,7 @@ def params_kwargs(msg: pb.SamplingParams) -> dict:
         if k not in ("temperature", "top_p", "repetition_penalty")
     }
     for name in ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",
-                 "skip_special_tokens", "detokenize"):  # fmt: skip
+                 "skip_special_tokens", "detokenize", "n"):  # fmt: skip
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     return dict(kw, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids))

@@ -60,47 +60,63 @@ class TokenLogprobs(_message.Message):
     rank: int
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., rank: _Optional[int] = ...) -> None: ...
 
+class BlobRef(_message.Message):
+    __slots__ = ("transfer_id", "size")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    size: int
+    def __init__(self, transfer_id: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "image", "image_hash", "deadline_unix_ms")
+    __slots__ = ("request_id", "model_fingerprint", "image", "image_hash", "deadline_unix_ms", "image_ref", "prefill_instance_id", "embedding_transfer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_REF_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     image: bytes
     image_hash: str
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., image: _Optional[bytes] = ..., image_hash: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    image_ref: BlobRef
+    prefill_instance_id: str
+    embedding_transfer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., image: _Optional[bytes] = ..., image_hash: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., image_ref: _Optional[_Union[BlobRef, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ..., embedding_transfer_id: _Optional[str] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("image_hash", "embedding_key", "num_tokens", "error", "embedding")
+    __slots__ = ("image_hash", "embedding_key", "num_tokens", "error", "need_image", "embedding_ref")
     IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    NEED_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_REF_FIELD_NUMBER: _ClassVar[int]
     image_hash: str
     embedding_key: str
     num_tokens: int
     error: Error
-    embedding: Tensor
-    def __init__(self, image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    need_image: bool
+    embedding_ref: BlobRef
+    def __init__(self, image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., need_image: _Optional[bool] = ..., embedding_ref: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
 
 class ImageSpan(_message.Message):
-    __slots__ = ("offset", "length", "image_hash", "embedding_key", "embedding")
+    __slots__ = ("offset", "length", "image_hash", "embedding_key", "embedding_ref")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_KEY_FIELD_NUMBER: _ClassVar[int]
-    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_REF_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
     image_hash: str
     embedding_key: str
-    embedding: Tensor
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    embedding_ref: BlobRef
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., embedding_ref: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "gateway_id", "decode_instance_id", "prompt_token_ids", "image_spans", "sampling", "deadline_unix_ms", "eos_token_ids", "max_model_len")

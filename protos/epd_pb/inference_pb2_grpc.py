@@ -55,8 +55,8 @@ class InferenceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams incremental outputs: one response per batch of new tokens; the last one
-        carries finish_reason and usage.
+        """Streams incremental outputs: one response per batch of new tokens of one choice;
+        each choice's last one carries its finish_reason, the stream's last one the usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

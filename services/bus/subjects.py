@@ -1,10 +1,11 @@
 """Every NATS subject and queue group used by epd-serve, in one place.
 
-Work any replica may take goes to a shared subject with a queue group (``epd.encode``,
-``epd.cache.*``); work the router assigns goes to a per-instance subject
-(``epd.prefill.<id>``, ``epd.decode.<id>``). KV payloads for a decode instance arrive on
-one per-instance subject (``epd.kv.<id>``) and carry their transfer id inside the frames,
-so the receiver subscribes once and no sender races a late subscription.
+Work any replica may take goes to a shared subject with a queue group
+(``epd.encode.<model>``, ``epd.cache.*``); work the router assigns goes to a per-instance
+subject (``epd.prefill.<id>``, ``epd.decode.<id>``, ``epd.encoder.<id>``). Payloads too large for
+a message arrive chunked on one per-instance subject (``epd.kv.<id>`` for KV blocks,
+``epd.blob.<id>`` for images and embeddings) and carry their transfer id inside the
+frames, so the receiver subscribes once and no sender races a late subscription.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ ROLE_CACHE: Final = "cache"
 ROLES: Final = frozenset({ROLE_ENCODE, ROLE_PREFILL, ROLE_DECODE, ROLE_GATEWAY, ROLE_CACHE})
 
 # Shared work subjects (request/reply, queue groups).
-ENCODE: Final = f"{PREFIX}.encode"
 CACHE_LOOKUP: Final = f"{PREFIX}.cache.lookup"
 CACHE_STORE: Final = f"{PREFIX}.cache.store"
 # Broadcast: every service drops the request.
@@ -57,6 +57,23 @@ def prefill(instance_id: str) -> str:
 def decode(instance_id: str) -> str:
     """Subject of one decode instance: ``epd.decode.<id>``."""
     return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}"
+
+
+def encode(model_fingerprint: str) -> str:
+    """Subject every encoder of one model takes work from (queue group QUEUE_ENCODE):
+    ``epd.encode.<fingerprint>``, so encoders of other models on the bus never see it."""
+    return f"{PREFIX}.encode.{check_token(model_fingerprint, 'model fingerprint')}"
+
+
+def encoder(instance_id: str) -> str:
+    """Subject of one encoder instance (images sent ahead as blobs): ``epd.encoder.<id>``."""
+    return f"{PREFIX}.encoder.{check_token(instance_id, 'instance id')}"
+
+
+def blob(instance_id: str) -> str:
+    """Subject where one instance receives chunked payloads (images, embeddings):
+    ``epd.blob.<id>``."""
+    return f"{PREFIX}.blob.{check_token(instance_id, 'instance id')}"
 
 
 def kv(instance_id: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.request import ImageSpan
-from services.images import decode_image, image_hash
+from services.image_checks import MAX_IMAGE_PIXELS, image_hash, probe_image
 
 
 @dataclass
@@ -17,11 +17,18 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    """Turns a vLLM-style prompt into checked token ids and image spans."""
+    """Turns a vLLM-style prompt into checked token ids and image spans.
+
+    ``decode_images=False`` (the gateway) checks image headers only and leaves the
+    decode to the encoder; ``images`` of the result is then empty.
+    """
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, image_token_id=None,
-                 tokens_per_image: int = 0, fingerprint: str = ""):  # fmt: skip
+                 tokens_per_image: int = 0, fingerprint: str = "", decode_images: bool = True,
+                 max_image_pixels: int = MAX_IMAGE_PIXELS):  # fmt: skip
         self.tokenizer = tokenizer
+        self.decode_images = decode_images
+        self.max_image_pixels = max_image_pixels
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
@@ -80,11 +87,16 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt has {n_ph} image placeholders but {n_img} images were given"
             )
+        images = []
         if hashes is None:
-            images = [decode_image(im) for im in raw_images]
+            if self.decode_images:
+                from services.images import decode_image  # torch: engine processes only
+
+                images = [decode_image(im) for im in raw_images]
+            else:
+                for im in raw_images:
+                    probe_image(im, self.max_image_pixels)
             hashes = [image_hash(im, self.fingerprint) for im in raw_images]
-        else:
-            images = []
         if expanded:
             # Runs are multiples of n: every n-th placeholder starts an image.
             offsets = [i for i, t in enumerate(ids) if t == tid][::n]

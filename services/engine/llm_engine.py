@@ -16,13 +16,12 @@ from services.engine.model_runner import ModelRunner, plain_greedy
 from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import TokenLogprobs
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.images import ImagePreprocessor
 from services.kernels.backend import get_backend
 from services.models.factory import LoadedModel, load_model, resolve_device
 from services.models.registry import is_multimodal
-from services.outputs import RequestOutput
+from services.outputs import RequestOutput, TokenLogprobs
 from services.sampling_params import SamplingParams
 from services.tokenization import load_tokenizer
 

@@ -8,9 +8,10 @@ import torch
 
 from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
-from services.engine.sampler import TokenLogprobs, sample
+from services.engine.sampler import sample
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
+from services.outputs import TokenLogprobs
 
 
 @dataclass

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from services.engine.request import Request
-from services.engine.sampler import TokenLogprobs
-from services.outputs import CompletionOutput, Logprob, RequestOutput
+from services.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from services.sampling_params import SamplingParams
 from services.tokenization import IncrementalDetokenizer
 

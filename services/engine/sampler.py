@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from services.engine.request import Request
 from services.kernels.backend import Backend
 from services.kernels.metadata import SamplingTensors
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of the raw model distribution for one sampled token."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token id, logprob), best first
+from services.outputs import TokenLogprobs
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

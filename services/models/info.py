@@ -28,7 +28,7 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 def fingerprint(model_dir: Path, config: EngineConfig) -> str:
     """Same checkpoint and preprocessing -> same fingerprint on every host."""
     h = hashlib.sha256()
-    for name in ("config.json", "preprocessor_config.json"):
+    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
         if (model_dir / name).exists():
             h.update((model_dir / name).read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -75,6 +75,16 @@ class ModelInfo:
         """The checkpoint's ``generation_config.json`` (empty when there is none)."""
         path = self.model_dir / "generation_config.json"
         return read_json(path) if path.exists() else {}
+
+    def default_sampling(self) -> dict:
+        """SamplingParams defaults from ``generation_config.json`` (what a request that
+        leaves a field unset gets, as in vLLM)."""
+        gen = self.generation_config
+        keys = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+        values = {k: gen[k] for k in keys if gen.get(k) is not None}
+        if gen.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return values
 
     def eos_token_ids(self, tokenizer_eos: int | None = None) -> tuple[int, ...]:
         """What ends generation, as transformers decides: generation config, then the

@@ -57,7 +57,11 @@ def make_text_checkpoint(
 
 
 def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama", seed: int = 0,
-                          strategy: str = "default", feature_layer=-2) -> Path:  # fmt: skip
+                          strategy: str = "default", feature_layer=-2, image_size: int = 32,
+                          patch_size: int = 8, nested_processor: bool = False,
+                          **text_over) -> Path:  # fmt: skip
+    """``nested_processor``: save the image processor as transformers 5's
+    ``LlavaProcessor.save_pretrained`` does (only processor_config.json)."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -68,13 +72,17 @@ def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama",
     )
 
     out = root / f"llava-{vision}-{text}-{strategy}-{seed}"
+    if (image_size, patch_size, text_over, nested_processor) != (32, 8, {}, False):
+        out = out.with_name(
+            f"{out.name}-{image_size}-{patch_size}-{len(text_over)}-{int(nested_processor)}"
+        )
     if (out / "config.json").exists():
         return out
     tok = _build_tokenizer(out)
     vcls = CLIPVisionConfig if vision == "clip" else SiglipVisionConfig
     vcfg = vcls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                image_size=32, patch_size=8)  # fmt: skip
-    tcfg = _text_config(text, len(tok), tok)
+                image_size=image_size, patch_size=patch_size)  # fmt: skip
+    tcfg = _text_config(text, len(tok), tok, **text_over)
     cfg = LlavaConfig(vision_config=vcfg, text_config=tcfg,
                       image_token_index=tok.convert_tokens_to_ids("<image>"),
                       vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer)  # fmt: skip
@@ -84,12 +92,21 @@ def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama",
     model.generation_config.eos_token_id = tok.sep_token_id
     model.save_pretrained(str(out))
     proc = CLIPImageProcessor if vision == "clip" else SiglipImageProcessor
+    side = {"height": image_size, "width": image_size}
     kw = (
-        {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+        {"size": {"shortest_edge": image_size}, "crop_size": side}
         if vision == "clip"
-        else {"size": {"height": 32, "width": 32}}
+        else {"size": side}
     )
-    proc(**kw).save_pretrained(str(out))
+    if nested_processor:
+        from transformers import LlavaProcessor
+
+        LlavaProcessor(image_processor=proc(**kw), tokenizer=tok, patch_size=patch_size,
+                       vision_feature_select_strategy=strategy,
+                       chat_template=tok.chat_template).save_pretrained(str(out))  # fmt: skip
+        assert not (out / "preprocessor_config.json").exists()
+    else:
+        proc(**kw).save_pretrained(str(out))
     return out
 
 

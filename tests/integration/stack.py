@@ -18,7 +18,7 @@ from services.config import EngineConfig, ServiceConfig
 
 @dataclass
 class Stack:
-    gateway: Gateway
+    gateway: Gateway | None
     encoder: EncoderService | None = None
     prefill: PrefillService | None = None
     decodes: list[DecodeService] = field(default_factory=list)
@@ -31,7 +31,8 @@ class Stack:
     async def stop(self) -> None:
         if self.channel is not None:
             await self.channel.close()
-        await self.gateway.stop()
+        if self.gateway is not None:
+            await self.gateway.stop()
         for svc in (self.prefill, *self.decodes, self.encoder):
             if svc is not None:
                 await svc.stop()
@@ -57,18 +58,22 @@ async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: st
     encoder = EncoderService(engine, cfg("encoder"))
     prefill = PrefillService(engine, cfg("prefill"))
     decodes = [DecodeService(engine, cfg(f"decode{i}")) for i in range(num_decode)]
-    await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
-    gw = await start_gateway(engine, cfg("gateway"), aggregated=False)
-    registry = gw.core.backend.registry
-    await registry.wait_for(
-        lambda: (
-            len(registry.live("decode")) == num_decode
-            and registry.live("prefill")
-            and registry.live("encode")
-        ),
-        timeout_s=10.0,
-    )
-    stack = Stack(gw, encoder, prefill, decodes)
+    stack = Stack(None, encoder, prefill, decodes)
+    try:
+        await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
+        stack.gateway = gw = await start_gateway(engine, cfg("gateway"), aggregated=False)
+        registry, fp = gw.core.backend.registry, gw.core.info.fingerprint
+
+        def live(role: str) -> int:  # other stacks (models) may share the bus
+            return sum(i.model == fp for i in registry.live(role))
+
+        await registry.wait_for(
+            lambda: live("decode") == num_decode and live("prefill") and live("encode"),
+            timeout_s=10.0,
+        )
+    except BaseException:
+        await stack.stop()
+        raise
     stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
     return stack
 

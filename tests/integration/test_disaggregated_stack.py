@@ -192,3 +192,46 @@ async def test_health_and_reflection(stacks):
     finally:
         sync_channel.close()
     assert "epd.v1.Inference" in services
+
+
+async def _choices(stub, req) -> tuple[dict[int, list[int]], dict[int, int], pb.Usage]:
+    ids: dict[int, list[int]] = {}
+    finishes: dict[int, int] = {}
+    usage = None
+    async for resp in stub.Generate(req):
+        ids.setdefault(resp.index, []).extend(resp.token_ids)
+        if resp.finish_reason:
+            assert resp.index not in finishes  # one finish per choice
+            finishes[resp.index] = resp.finish_reason
+        if resp.HasField("usage"):
+            usage = resp.usage
+    return ids, finishes, usage
+
+
+async def test_n_choices_are_the_same_on_the_fleet_and_the_engine(stacks):
+    disagg, agg = stacks
+    req = chat_request("pick a few words", [png(21)], max_tokens=8)
+    req.sampling.temperature, req.sampling.seed, req.sampling.n = 0.9, 77, 3
+    ours, finishes, usage = await _choices(disagg.stub, req)
+    ref, _, _ = await _choices(agg.stub, req)
+    assert ours == ref and sorted(ours) == [0, 1, 2] and sorted(finishes) == [0, 1, 2]
+    assert len({tuple(v) for v in ours.values()}) == 3
+    assert usage.completion_tokens == sum(len(v) for v in ours.values())
+    once = await disagg.stub.GenerateOnce(req)
+    assert {c.index: list(c.token_ids) for c in once.choices} == ours
+    assert list(once.token_ids) == ours[0]
+
+
+async def test_client_ids_are_echoed_and_never_collide(stacks):
+    disagg, _ = stacks
+    reqs = [chat_request(f"same id, question {i}", [], max_tokens=10) for i in range(4)]
+    solo = [await disagg.stub.GenerateOnce(r) for r in reqs]
+    for r in reqs:
+        r.request_id = "same-id"
+    together = await asyncio.gather(*(disagg.stub.GenerateOnce(r) for r in reqs))
+    assert [t.token_ids for t in together] == [s.token_ids for s in solo]
+    assert {t.request_id for t in together} == {"same-id"}
+    huge = chat_request("a huge id", [], max_tokens=3)
+    huge.request_id = "x" * 10_000
+    out = await disagg.stub.GenerateOnce(huge)
+    assert out.request_id == huge.request_id and len(out.token_ids) == 3

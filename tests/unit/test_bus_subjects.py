@@ -8,11 +8,13 @@ from services.bus import subjects
 
 
 def test_subject_names() -> None:
-    assert subjects.ENCODE == "epd.encode"
+    assert subjects.encode("4f5f881477c4651e") == "epd.encode.4f5f881477c4651e"
     assert subjects.cache("lookup") == subjects.CACHE_LOOKUP == "epd.cache.lookup"
     assert subjects.prefill("p-0") == "epd.prefill.p-0"
     assert subjects.decode("d_1") == "epd.decode.d_1"
     assert subjects.kv("d_1") == "epd.kv.d_1"
+    assert subjects.encoder("e-0") == "epd.encoder.e-0"
+    assert subjects.blob("p-0") == "epd.blob.p-0"
     assert subjects.out("gw0") == "epd.out.gw0"
     assert subjects.ABORT == "epd.abort"
     assert subjects.heartbeat("decode", "d0") == "epd.hb.decode.d0"

@@ -1,0 +1,63 @@
+"""What the gateway's front doors accept: ports, API keys, request and media limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.config import env_overrides
+from services.image_checks import MAX_IMAGE_PIXELS
+
+
+@dataclass
+class GatewayConfig:
+    """The gateway's own settings (``EPD_*`` variables, CLI flags). Validated at construction."""
+
+    # OpenAI-compatible REST port (0: any free port).
+    http_port: int = 8000
+    # Bearer tokens accepted on /v1/* (EPD_API_KEY: comma-separated). Empty: no auth.
+    api_key: tuple[str, ...] = ()
+    # Most choices per request (``n``).
+    max_n: int = 16
+    # Most stop strings per request, and the longest one, in characters.
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    # Per request: most images, largest encoded image, most pixels in one image.
+    max_images: int = 16
+    max_image_bytes: int = 64 << 20
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    # Largest REST request body (a 20 MB image is ~27 MB as a base64 data URL).
+    max_body_mb: int = 128
+    # Hosts whose http(s) image URLs are fetched (EPD_ALLOWED_MEDIA_DOMAINS, comma-
+    # separated; a leading "." admits subdomains). Empty: no URL is fetched.
+    allowed_media_domains: tuple[str, ...] = ()
+    # Also fetch from private, loopback and link-local addresses (off: refused even when
+    # an allowed name resolves to one).
+    allow_private_media: bool = False
+    # file:// image URLs are read only under this folder. Empty: refused.
+    allowed_local_media_path: str = ""
+    # One image fetch (connect, redirects and body) may take this long.
+    media_timeout_s: float = 10.0
+    # Requests in progress on this gateway before new ones get 429 / RESOURCE_EXHAUSTED.
+    max_inflight: int = 1024
+
+    def __post_init__(self) -> None:
+        self.api_key = tuple(self.api_key)
+        self.allowed_media_domains = tuple(d.lower() for d in self.allowed_media_domains)
+        if not 0 <= self.http_port < 65536:
+            raise ValueError("http_port must be in 0..65535")
+        for name in ("max_n", "max_stop", "max_stop_chars", "max_images", "max_image_bytes",
+                     "max_image_pixels", "max_body_mb", "max_inflight"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.media_timeout_s <= 0:
+            raise ValueError("media_timeout_s must be > 0")
+        if any(not k for k in self.api_key):
+            raise ValueError("api_key entries must be non-empty")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> GatewayConfig:
+        """Defaults < ``EPD_*`` variables < explicit overrides (CLI flags)."""
+        values = env_overrides(cls)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
