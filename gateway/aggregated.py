@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from gateway.events import BackendError, TokenEvent, events_from_output
@@ -26,12 +28,22 @@ class AggregatedBackend:
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         prompt = {"prompt_token_ids": prep.prompt_token_ids, "images": prep.images}
         n = prep.params.logprobs or 0
+        outputs = self.engine.generate(prep.request_id, prompt, prep.params)
         try:
-            async for out in self.engine.generate(prep.request_id, prompt, prep.params):
+            while True:
+                try:  # the deadline holds between outputs too (time.time: it is unix time)
+                    async with asyncio.timeout(max(0.0, prep.deadline - time.time())):
+                        out = await anext(outputs)
+                except StopAsyncIteration:
+                    return
                 for event in events_from_output(out, n):
                     yield event
+        except TimeoutError as e:
+            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline") from e
         except EngineDeadError as e:
             raise BackendError("UNAVAILABLE", str(e)) from e
+        finally:
+            await outputs.aclose()
 
     async def abort(self, prep: PreparedRequest, index: int | None = None) -> None:
         rid = prep.request_id

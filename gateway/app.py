@@ -11,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
 from gateway.grpc_server import start_grpc_server, track_health
 from gateway.prepare import RequestPreparer
+from gateway.rest.server import RestServer
 from services.config import EngineConfig, ServiceConfig
 from services.models.info import ModelInfo
 from services.tokenization import load_tokenizer
@@ -30,8 +31,8 @@ class Gateway:
         self.aggregated = aggregated
         self.instance_id = config.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
         self.core: GatewayCore | None = None
-        self.grpc_server = None
-        self.grpc_port = 0
+        self.grpc_server = self.rest = None
+        self.grpc_port = self.http_port = 0
         self._stopped = False
         self._health_task: asyncio.Task | None = None
 
@@ -48,7 +49,11 @@ class Gateway:
         self._health_task = asyncio.create_task(
             track_health(health, self.core, self.config.heartbeat_s / 2)
         )
-        log.info("gateway %s serving gRPC on port %d", self.instance_id, self.grpc_port)
+        self.rest = RestServer(self.core, self.config.host, self.api.http_port)
+        await self.rest.start()
+        self.http_port = self.rest.port
+        log.info("gateway %s serving gRPC on port %d, REST on port %d", self.instance_id,
+                 self.grpc_port, self.http_port)  # fmt: skip
 
     async def _backend(self):
         if self.aggregated:
@@ -70,6 +75,8 @@ class Gateway:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self.rest is not None:
+            await self.rest.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(self.config.shutdown_grace_s)
         if self.core is not None:

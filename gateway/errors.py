@@ -16,6 +16,7 @@ _HTTP = {
     "INVALID_ARGUMENT": (400, "invalid_request_error", None),
     "NOT_FOUND": (404, "invalid_request_error", "model_not_found"),
     "UNAUTHENTICATED": (401, "authentication_error", "invalid_api_key"),
+    "PAYLOAD_TOO_LARGE": (413, "invalid_request_error", "request_too_large"),  # REST only
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "rate_limit_exceeded"),
     "UNAVAILABLE": (503, "server_error", "service_unavailable"),
     "ABORTED": (503, "server_error", "aborted"),

@@ -32,6 +32,15 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=None)
     g.add_argument("--instance-id", default=None)
     g.add_argument("--grpc-port", type=int, default=None)
+    a = p.add_argument_group("gateway (gateway, all, up)")
+    a.add_argument("--http-port", type=int, default=None, help="OpenAI REST port (default 8000)")
+    a.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable)")  # fmt: skip
+    a.add_argument("--allowed-media-domains", action="append", default=None,
+                   help="host whose http(s) image URLs may be fetched (repeatable; "
+                        "'.example.com' admits subdomains)")  # fmt: skip
+    a.add_argument("--allowed-local-media-path", default=None,
+                   help="folder under which file:// image URLs may be read")  # fmt: skip
 
 
 def engine_config(args):
@@ -48,6 +57,13 @@ def service_config(args):
 
     keys = ("nats_url", "redis_url", "instance_id", "grpc_port")
     return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+
+
+def gateway_config(args):
+    from gateway.config import GatewayConfig
+
+    keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path")
+    return GatewayConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 
 def _generate(args) -> int:
@@ -73,13 +89,13 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     from services.serve import serve
 
-    return serve(args.role, engine_config(args), service_config(args))
+    return serve(args.role, engine_config(args), service_config(args), gateway_config(args))
 
 
 def _up(args) -> int:
     from services.stack import up
 
-    return up(args, engine_config(args), service_config(args))
+    return up(args, engine_config(args), service_config(args), gateway_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ from services.config import EngineConfig, ServiceConfig
 from services.runtime import serve_until_signal
 
 
-def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig):
+def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None):
     if role == "encoder":
         from encoder_svc.service import EncoderService
 
@@ -24,10 +24,11 @@ def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig):
     if role in ("gateway", "all"):
         from gateway.app import Gateway
 
-        return Gateway(engine_config, config, aggregated=role == "all")
+        return Gateway(engine_config, config, aggregated=role == "all", api=gateway)
     raise ValueError(f"unknown role {role!r}")
 
 
-def serve(role: str, engine_config: EngineConfig, config: ServiceConfig) -> int:
-    asyncio.run(serve_until_signal(make_service(role, engine_config, config)))
+def serve(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None) -> int:
+    """``gateway``: the GatewayConfig of the gateway roles (gateway, all)."""
+    asyncio.run(serve_until_signal(make_service(role, engine_config, config, gateway)))
     return 0

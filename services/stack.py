@@ -9,6 +9,7 @@ order on Ctrl-C / SIGTERM.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -16,20 +17,28 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from services.config import EngineConfig, ServiceConfig
 from services.localstack import start_nats, start_redis
 from services.models.info import ModelInfo
 
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
+
 log = logging.getLogger(__name__)
 
 
-def _env(engine: EngineConfig) -> dict[str, str]:
+def _env(*configs) -> dict[str, str]:
+    """The environment that hands ``configs`` (dataclasses) to the children."""
     env = dict(os.environ)
-    for f in dataclasses.fields(engine):
-        value = getattr(engine, f.name)
-        if value is not None:
-            env[f"EPD_{f.name.upper()}"] = str(value)
+    for config in configs:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if isinstance(value, tuple):
+                env[f"EPD_{f.name.upper()}"] = ",".join(value)
+            elif value is not None:
+                env[f"EPD_{f.name.upper()}"] = str(value)
     return env
 
 
@@ -66,12 +75,12 @@ def _roles(args, info: ModelInfo) -> list[tuple[str, str]]:
     return roles + [("gateway", "gateway-0")]
 
 
-def up(args, engine: EngineConfig, cfg: ServiceConfig) -> int:
+def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig) -> int:
     info = ModelInfo.load(engine)  # also generates the demo checkpoint once, before the children
     nats = start_nats(port=int(cfg.nats_url.rsplit(":", 1)[1]))
     redis = start_redis(port=int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0]), maxmemory="1gb")
     cfg = dataclasses.replace(cfg, nats_url=nats.url, redis_url=redis.url)
-    env = _env(engine)
+    env = _env(engine, gateway)
     children: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -79,7 +88,7 @@ def up(args, engine: EngineConfig, cfg: ServiceConfig) -> int:
         for role, instance in _roles(args, info):
             children.append(_spawn(role, instance, cfg, env))
         wait_for_grpc(cfg.grpc_port, timeout_s=300)
-        print(f"epd-serve is up: model {info.model_id!r}, gRPC on port {cfg.grpc_port}", flush=True)
+        print(_banner(info.model_id, gateway.http_port, cfg.grpc_port), flush=True)
         while not stop.is_set() and all(c.poll() is None for c in children):
             stop.wait(0.5)
     except KeyboardInterrupt:
@@ -89,6 +98,17 @@ def up(args, engine: EngineConfig, cfg: ServiceConfig) -> int:
         redis.stop()
         nats.stop()
     return 0 if all(c.returncode in (0, -signal.SIGTERM) for c in children) else 1
+
+
+def _banner(model: str, http_port: int, grpc_port: int) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    return "\n".join([
+        f"epd-serve is up: model {model!r}",
+        f"  OpenAI REST  http://127.0.0.1:{http_port}/v1   (docs: http://127.0.0.1:{http_port}/docs)",
+        f"  gRPC         127.0.0.1:{grpc_port}   (epd.v1.Inference, health, reflection)",
+        f"  try:  curl http://127.0.0.1:{http_port}/v1/chat/completions "
+        f"-H 'Content-Type: application/json' -d '{body}'",
+    ])  # fmt: skip
 
 
 def _stop_children(children: list[subprocess.Popen], grace_s: float) -> None:

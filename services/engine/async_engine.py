@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -136,15 +137,21 @@ class AsyncEngine:
             block = False
             if fn is None:
                 return False
+            # A command runs even when its caller stopped waiting (an abort must not be
+            # lost); only the answer is dropped then.
             try:
-                result = fn()
-                if fut is not None:
-                    fut.set_result(result)
+                result, error = fn(), None
             except Exception as e:
-                if fut is not None:
-                    fut.set_exception(e)
+                result, error = None, e
+            if fut is None or fut.cancelled():
+                if error is not None:
+                    log.warning("engine command failed: %s", error)
+                continue
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled just now
+                if error is None:
+                    fut.set_result(result)
                 else:
-                    log.warning("engine command failed: %s", e)
+                    fut.set_exception(error)
 
     def _step(self) -> None:
         try:

@@ -11,6 +11,7 @@ import grpc
 from decode_svc.service import DecodeService
 from encoder_svc.service import EncoderService
 from gateway.app import Gateway
+from gateway.config import GatewayConfig
 from prefill_svc.service import PrefillService
 from protos.epd_pb import inference_pb2_grpc as pbg
 from services.config import EngineConfig, ServiceConfig
@@ -44,8 +45,9 @@ def service_config(nats_url: str, redis_url: str, name: str) -> ServiceConfig:
                          stall_timeout_s=10.0, request_timeout_s=60.0, shutdown_grace_s=2.0)  # fmt: skip
 
 
-async def start_gateway(engine: EngineConfig, cfg: ServiceConfig, aggregated: bool) -> Gateway:
-    gw = Gateway(engine, cfg, aggregated=aggregated)
+async def start_gateway(engine: EngineConfig, cfg: ServiceConfig, aggregated: bool,
+                        api: GatewayConfig | None = None) -> Gateway:  # fmt: skip
+    gw = Gateway(engine, cfg, aggregated=aggregated, api=api or GatewayConfig(http_port=0))
     await gw.start()
     return gw
 

@@ -135,3 +135,19 @@ async def test_multi_step_streams_the_same_tokens(ckpt):
         await eng.shutdown()
     assert [[t for d in s for t in d] for s in streams] == ref
     assert any(len(d) > 1 for s in streams for d in s)  # some outputs carried a burst
+
+
+async def test_a_caller_that_stops_waiting_does_not_kill_the_engine(ckpt):
+    eng = AsyncEngine(_engine(ckpt))
+    eng.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3)
+        for _ in range(20):  # cancel calls at every stage: queued, running, answered
+            task = asyncio.create_task(eng.call(lambda: eng.engine.has_unfinished_requests()))
+            await asyncio.sleep(0)
+            task.cancel()
+        async with asyncio.timeout(30):
+            out = await _collect(eng.generate("after", {"prompt_token_ids": PROMPTS[0]}, params))
+        assert eng.alive and len(out.outputs[0].token_ids) == 3
+    finally:
+        await eng.shutdown()

@@ -1,0 +1,75 @@
+"""``POST /v1/chat/completions``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.responses import Response
+
+from gateway.core import GatewayCore
+from gateway.rest.media import MediaLoader
+from gateway.rest.protocol import ChatCompletionRequest, ChatMessage, ImagePart
+from gateway.rest.responses import chat_logprobs
+from gateway.rest.serving import CompletionRun, finish_reason
+from gateway.stream import Delta, OutputStream
+
+
+class ChatRenderer:
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, tokenizer, logprobs: bool):
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
+
+    def _logprobs(self, lps) -> dict | None:
+        return chat_logprobs(self.tokenizer, lps) if self.logprobs else None
+
+    def choice(self, prompt: int, stream: OutputStream) -> dict:
+        return {"index": stream.index, "message": {"role": "assistant", "content": stream.text},
+                "logprobs": self._logprobs(stream.logprobs),
+                "finish_reason": finish_reason(stream)}  # fmt: skip
+
+    def chunk_choice(self, prompt: int, delta: Delta, stream: OutputStream, first: bool) -> dict:
+        content = {"role": "assistant", "content": delta.text} if first else {}
+        if delta.text:
+            content["content"] = delta.text
+        return {"index": delta.index, "delta": content,
+                "logprobs": self._logprobs(delta.logprobs) if delta.token_ids else None,
+                "finish_reason": finish_reason(stream) if delta.finish_reason else None}  # fmt: skip
+
+
+async def chat_completion(core: GatewayCore, media: MediaLoader, req: ChatCompletionRequest,
+                          client_id: str | None, headers: dict) -> Response:  # fmt: skip
+    """Raises InvalidRequest & co. before anything runs; failures after that are answered."""
+    req.check_supported()
+    messages = await resolve_messages(media, req.messages)
+    params = req.sampling_kwargs(req.max_new_tokens)
+    params["logprobs"] = req.num_logprobs
+    core.check_capacity()
+    prep = await core.prepare(model=req.model or "", params=params, messages=messages,
+                              request_id=client_id)  # fmt: skip
+    run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await run.respond(req.stream, include_usage, headers)
+
+
+async def resolve_messages(media: MediaLoader | None, messages: list[ChatMessage]) -> list[dict]:
+    """Chat messages for the template, their image URLs loaded (placeholders when
+    ``media`` is None: /tokenize counts without fetching)."""
+    urls = [p.image_url.url for m in messages if isinstance(m.content, list)
+            for p in m.content if isinstance(p, ImagePart)]  # fmt: skip
+    images = iter(await asyncio.gather(*(media.load(u) for u in urls)) if media else [])
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        if not isinstance(m.content, list):
+            out.append({"role": role, "content": m.content or ""})
+            continue
+        parts = []
+        for p in m.content:
+            if isinstance(p, ImagePart):
+                parts.append({"type": "image", "image": next(images) if media else b""})
+            else:
+                parts.append({"type": "text", "text": p.text})
+        out.append({"role": role, "content": parts})
+    return out

@@ -1,0 +1,67 @@
+"""``POST /v1/completions``."""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from gateway.core import GatewayCore
+from gateway.rest.protocol import CompletionRequest
+from gateway.rest.responses import completion_logprobs
+from gateway.rest.serving import CompletionRun, finish_reason
+from gateway.stream import Delta, OutputStream
+
+
+class TextRenderer:
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, tokenizer, n: int, logprobs: bool, echo: list[str] | None):
+        self.tokenizer, self.n, self.logprobs = tokenizer, n, logprobs
+        self.echo = echo  # each prompt's text, when echoed
+        self._offsets: dict[tuple[int, int], int] = {}  # characters sent per choice
+
+    def _prefix(self, prompt: int) -> str:
+        return self.echo[prompt] if self.echo else ""
+
+    def choice(self, prompt: int, stream: OutputStream) -> dict:
+        prefix = self._prefix(prompt)
+        lps = (
+            completion_logprobs(self.tokenizer, stream.logprobs, len(prefix))
+            if self.logprobs
+            else None
+        )
+        return {"index": prompt * self.n + stream.index, "text": prefix + stream.text,
+                "logprobs": lps, "finish_reason": finish_reason(stream)}  # fmt: skip
+
+    def chunk_choice(self, prompt: int, delta: Delta, stream: OutputStream, first: bool) -> dict:
+        text = (self._prefix(prompt) if first else "") + delta.text
+        key = (prompt, delta.index)
+        offset = self._offsets.get(key, 0)
+        self._offsets[key] = offset + len(text)
+        lps = None
+        if self.logprobs and delta.token_ids:
+            lps = completion_logprobs(
+                self.tokenizer, delta.logprobs, offset + len(text) - len(delta.text)
+            )
+        return {"index": prompt * self.n + delta.index, "text": text, "logprobs": lps,
+                "finish_reason": finish_reason(stream) if delta.finish_reason else None}  # fmt: skip
+
+
+async def completion(core: GatewayCore, req: CompletionRequest, client_id: str | None,
+                     headers: dict) -> Response:  # fmt: skip
+    req.check_supported()
+    params = req.sampling_kwargs(req.max_tokens)
+    params["logprobs"] = req.logprobs
+    preps = []
+    for prompt in req.prompts():
+        core.check_capacity()
+        text = prompt if isinstance(prompt, str) else None
+        ids = None if isinstance(prompt, str) else list(prompt)
+        preps.append(await core.prepare(model=req.model or "", params=params, prompt=text,
+                                        prompt_token_ids=ids, request_id=client_id))  # fmt: skip
+    echo = None
+    if req.echo:
+        echo = [p.prompt_text if p.prompt_text is not None
+                else core.tokenizer.decode(p.prompt_token_ids) for p in preps]  # fmt: skip
+    renderer = TextRenderer(core.tokenizer, req.n, req.logprobs is not None, echo)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await CompletionRun(core, preps, renderer).respond(req.stream, include_usage, headers)

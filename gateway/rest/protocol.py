@@ -1,0 +1,203 @@
+"""Request bodies of the OpenAI-compatible API (pydantic; what /openapi.json publishes).
+
+Unknown fields are ignored, as clients that send ``extra_body`` expect. Fields of
+features this server does not have are declared so that they fail with a 400 naming
+the field (``unsupported``), never a silent ignore.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
+
+
+class Unsupported(ValueError):
+    """A field of a feature this server does not have."""
+
+    def __init__(self, param: str, what: str):
+        super().__init__(f"{param}: {what} is not supported by this server")
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ImageURL(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = Field(None, **_INT64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    # vLLM's structured-output extras: not served yet.
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise Unsupported("logit_bias", "logit_bias")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise Unsupported(name, "structured output")
+
+    def sampling_kwargs(self, max_tokens: int | None) -> dict:
+        """SamplingParams keywords of the fields the client set (None: server default)."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    min_p=self.min_p, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, seed=self.seed,
+                    max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop or None,
+                    ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)  # fmt: skip
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.functions:
+            raise Unsupported("tools" if self.tools else "functions", "tool calling")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise Unsupported("tool_choice", "tool calling")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise Unsupported(
+                "response_format", f"response_format {self.response_format.get('type')!r}"
+            )
+        if self.modalities and set(self.modalities) != {"text"}:
+            raise Unsupported("modalities", "output other than text")
+        for name in ("audio", "prediction"):
+            if getattr(self, name) is not None:
+                raise Unsupported(name, name)
+        if any(m.tool_calls for m in self.messages):
+            raise Unsupported("messages", "tool_calls in messages")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's legacy default.
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise Unsupported("suffix", "suffix (insertion)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise Unsupported("best_of", "best_of other than n")
+        if self.echo and self.logprobs is not None:
+            raise Unsupported("echo", "echo with logprobs (prompt logprobs)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (a list of strings or of token-id lists is several)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

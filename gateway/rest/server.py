@@ -1,0 +1,48 @@
+"""The REST app under uvicorn, inside the gateway's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+from gateway.core import GatewayCore
+from gateway.rest.app import build_app
+
+log = logging.getLogger(__name__)
+
+
+class RestServer:
+    """``start`` binds (port 0: any free port, then ``port`` says which) and serves."""
+
+    def __init__(self, core: GatewayCore, host: str, port: int):
+        self.core, self.host, self.port = core, host, port
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self.core), log_level="warning", lifespan="off",
+                                access_log=False, timeout_graceful_shutdown=5)  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()  # raises what stopped it
+
+    async def stop(self) -> None:
+        """Stop taking connections, let open responses finish (bounded); safe twice."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(self._task, timeout=10)
+        self._server = None

@@ -1,0 +1,64 @@
+"""``epd up`` as a user runs it: a subprocess with its own NATS, Redis and services."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from services.localstack import free_port
+from services.stack import wait_for_grpc
+
+
+@dataclass
+class Running:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    nats_url: str
+    demo_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def stop(self, timeout_s: float = 60) -> str:
+        """SIGTERM, wait; the output (the test checks the exit code)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out or ""
+
+
+def epd_up(demo_dir: Path, *args: str, env: dict | None = None, ready_s: float = 240) -> Running:
+    """Start ``epd up`` on free ports and wait until REST and gRPC both serve."""
+    http_port, grpc_port, nats_port, redis_port = (free_port() for _ in range(4))
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    argv = [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(grpc_port),
+            "--http-port", str(http_port), "--nats-url", nats_url,
+            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", *args]  # fmt: skip
+    full_env = dict(os.environ, EPD_DEMO_DIR=str(demo_dir), **(env or {}))
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    running = Running(proc, http_port, grpc_port, nats_url, demo_dir)
+    try:
+        wait_for_grpc(grpc_port, timeout_s=ready_s)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{running.base_url}/health", timeout=5).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError("REST /health never turned 200")
+            time.sleep(0.2)
+    except BaseException:
+        print(running.stop()[-5000:])
+        raise
+    return running
