@@ -44,18 +44,23 @@ class Fleet:
     nats: ServerProcess | None = None
     redis: ServerProcess | None = None
     children: list[Child] = field(default_factory=list)
+    # instance -> its REST port (gateways)
+    http_ports: dict[str, int] = field(default_factory=dict)
 
     def start_servers(self) -> None:
         self.nats = start_nats(host=HOST)
         self.redis = start_redis(host=HOST, maxmemory="512mb")
 
     def spawn(self, role: str, instance: str, log_level: str = "INFO") -> int:
-        """Start ``epd serve <role>``; returns its gRPC port (meaningful for gateways)."""
+        """Start ``epd serve <role>``; returns its gRPC port (meaningful for gateways; the
+        REST port is ``http_ports[instance]``)."""
         assert self.nats is not None and self.redis is not None, "start_servers() first"
         grpc_port = free_port(HOST)
+        self.http_ports[instance] = free_port(HOST)
         argv = [sys.executable, "-m", "services.cli", "--log-level", log_level, "serve", role,
                 "--model", "demo", "--nats-url", self.nats.url, "--redis-url", self.redis.url,
-                "--instance-id", instance, "--grpc-port", str(grpc_port)]  # fmt: skip
+                "--instance-id", instance, "--grpc-port", str(grpc_port),
+                "--http-port", str(self.http_ports[instance])]  # fmt: skip
         # EPD_HOST: the gateway listens on the loopback interface only.
         env = dict(os.environ, EPD_HOST=HOST, PYTHONUNBUFFERED="1")
         log = self.logdir / f"{instance}.log"

@@ -70,12 +70,14 @@ class _Refused(Exception):
         self.failure = failure
 
 
-def build_app(core: GatewayCore) -> FastAPI:
+def build_app(core: GatewayCore) -> GatewayMiddleware:
+    """The ASGI app: the FastAPI app behind GatewayMiddleware, which also sends the
+    completion endpoints straight to their handlers (FastAPI's routing and middleware
+    stack cost ~0.3 ms a request; the routes stay in FastAPI for /openapi.json)."""
     config = core.config
     media = MediaLoader(config)
     app = FastAPI(title="epd-serve", version=VERSION, openapi_url="/openapi.json", docs_url="/docs")
-    app.add_middleware(GatewayMiddleware, api_keys=config.api_key,
-                       max_body_bytes=config.max_body_mb << 20)  # fmt: skip
+    direct: dict[str, Callable] = {}
 
     def headers_of(request: Request) -> dict:
         return {"X-Request-Id": request.state.request_id}
@@ -106,7 +108,8 @@ def build_app(core: GatewayCore) -> FastAPI:
                 "content": {"application/json": {"schema": body_schema}},
             }
         }
-        app.add_api_route(path, endpoint(model, handler), methods=["POST"], summary=summary,
+        direct[path] = endpoint(model, handler)
+        app.add_api_route(path, direct[path], methods=["POST"], summary=summary,
                           openapi_extra=extra)  # fmt: skip
 
     route("/v1/chat/completions", ChatCompletionRequest,
@@ -146,7 +149,8 @@ def build_app(core: GatewayCore) -> FastAPI:
         return JSONResponse(failure.openai_body(), status_code=exc.status_code)
 
     app.openapi = lambda: _openapi(app)
-    return app
+    return GatewayMiddleware(app, api_keys=config.api_key, max_body_bytes=config.max_body_mb << 20,
+                             direct=direct)  # fmt: skip
 
 
 def _model_card(core: GatewayCore) -> dict:

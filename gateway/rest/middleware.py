@@ -1,11 +1,13 @@
 """What every REST request goes through first (plain ASGI, no per-request task): its
-X-Request-Id (echoed, or generated), the API key on /v1/*, and the body size limit."""
+X-Request-Id (echoed, or generated), the API key on /v1/*, the body size limit; then the
+hot POST endpoints straight to their handlers, everything else to FastAPI."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import uuid
+from collections.abc import Callable
 
 from starlette.requests import Request
 
@@ -22,8 +24,12 @@ def client_request_id(request: Request) -> str | None:
 
 
 class GatewayMiddleware:
-    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int,
+                 direct: dict[str, Callable] | None = None):  # fmt: skip
+        """``direct``: POST path -> ``async (Request) -> Response``, served without
+        FastAPI's routing (``app`` serves every other request)."""
         self.app = app
+        self.direct = direct or {}
         self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
 
@@ -40,7 +46,12 @@ class GatewayMiddleware:
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return await _reply(send, self._too_large(), rid)
-        return await self.app(scope, self._limited(receive), self._tagged(send, rid))
+        receive, send = self._limited(receive), self._tagged(send, rid)
+        handler = self.direct.get(scope["path"]) if scope["method"] == "POST" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)
 
     def _authorized(self, headers: dict) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")

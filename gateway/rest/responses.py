@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from gateway.errors import RequestFailure, classify
 from gateway.prepare import PreparedRequest
@@ -87,28 +88,55 @@ def sse(obj) -> bytes:
     return f"data: {dumps(obj)}\n\n".encode()
 
 
-class SSEResponse(StreamingResponse):
-    """Server-sent events that end with ``data: [DONE]``; a failure after the first byte
-    becomes an error event (the status line is gone by then). The body iterator is
-    always closed, so a client that leaves aborts its request at once."""
+class SSEResponse:
+    """Server-sent events (a plain ASGI response) that end with ``data: [DONE]``.
+
+    A failure after the first byte becomes an error event (the status line is gone by
+    then). A client that leaves cancels the stream at once (a watcher task waits for
+    ``http.disconnect``), and the events iterator is always closed, so the request is
+    aborted on every service.
+    """
 
     def __init__(self, events: AsyncIterator[bytes], request_id: str, headers: dict):
-        super().__init__(self._framed(events, request_id), media_type="text/event-stream",
-                         headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
-        self._events = events  # closed too: closing the framing leaves it suspended
+        self.events, self.request_id = events, request_id
+        self.headers = [(k.lower().encode(), str(v).encode("latin-1")) for k, v in headers.items()]
+        self.headers += [(b"content-type", b"text/event-stream; charset=utf-8"),
+                         (b"cache-control", b"no-cache")]  # fmt: skip
 
-    @staticmethod
-    async def _framed(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+    async def __call__(self, scope, receive, send) -> None:
+        streamer = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streamer.cancel()
+
+        watcher = asyncio.create_task(watch())
         try:
-            async for chunk in events:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async for chunk in self._framed():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streamer.uncancel()  # the client left: nothing more to send, nothing to raise
+        finally:
+            watcher.cancel()
+            try:
+                await self.events.aclose()
+            except asyncio.CancelledError:
+                if not gone:
+                    raise
+                streamer.uncancel()
+
+    async def _framed(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.events:
                 yield chunk
         except Exception as e:
-            yield sse(classify(e, request_id).openai_body())
+            yield sse(classify(e, self.request_id).openai_body())
         yield b"data: [DONE]\n\n"
-
-    async def stream_response(self, send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            await self.body_iterator.aclose()
-            await self._events.aclose()

@@ -235,3 +235,31 @@ async def test_client_ids_are_echoed_and_never_collide(stacks):
     huge.request_id = "x" * 10_000
     out = await disagg.stub.GenerateOnce(huge)
     assert out.request_id == huge.request_id and len(out.token_ids) == 3
+
+
+async def test_a_rest_client_that_disconnects_aborts_on_every_service(stacks):
+    import httpx
+
+    disagg, _ = stacks
+    engines = [disagg.prefill.engine, *(d.engine for d in disagg.decodes)]
+    free0 = {id(e): e.engine.block_manager.num_free_blocks for e in engines}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "a long story"}],
+            "max_tokens": 1500, "ignore_eos": True, "stream": True}  # fmt: skip
+    base = f"http://127.0.0.1:{disagg.gateway.http_port}"
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        chunks = 0
+        async for line in resp.aiter_lines():
+            chunks += line.startswith("data:")
+            if chunks >= 3:
+                break
+        decode = next(d for d in disagg.decodes if d.routes)
+        rid = next(iter(decode.routes))
+    for _ in range(200):
+        if rid in decode.aborted and await _quiescent(disagg, free0):
+            break
+        await asyncio.sleep(0.05)
+    assert rid in decode.aborted  # the decode instance was told, not left to run 1500 tokens
+    assert await _quiescent(disagg, free0)
