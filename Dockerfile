@@ -24,6 +24,6 @@ COPY cache_svc ./cache_svc
 COPY protos ./protos
 RUN pip install ".[triton]"
 
-EXPOSE 50051
+EXPOSE 8000 50051
 ENTRYPOINT ["epd"]
 CMD ["serve", "all"]
