@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from services.config import env_overrides
+from services.config import FromEnv
 from services.image_checks import MAX_IMAGE_PIXELS
 
 
 @dataclass
-class GatewayConfig:
+class GatewayConfig(FromEnv):
     """The gateway's own settings (``EPD_*`` variables, CLI flags). Validated at construction."""
 
     # OpenAI-compatible REST port (0: any free port).
     http_port: int = 8000
     # Bearer tokens accepted on /v1/* (EPD_API_KEY: comma-separated). Empty: no auth.
-    api_key: tuple[str, ...] = ()
+    # Secrets: kept out of repr, so out of logs.
+    api_key: tuple[str, ...] = field(default=(), repr=False)
     # Most choices per request (``n``).
     max_n: int = 16
     # Most stop strings per request, and the longest one, in characters.
@@ -54,10 +54,3 @@ class GatewayConfig:
             raise ValueError("media_timeout_s must be > 0")
         if any(not k for k in self.api_key):
             raise ValueError("api_key entries must be non-empty")
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> GatewayConfig:
-        """Defaults < ``EPD_*`` variables < explicit overrides (CLI flags)."""
-        values = env_overrides(cls)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)

@@ -49,8 +49,18 @@ def env_overrides(cls: type, prefix: str = "EPD_", environ=None) -> dict[str, An
     return out
 
 
+class FromEnv:
+    """``from_env``: defaults < ``EPD_*`` variables < explicit overrides (CLI flags)."""
+
+    @classmethod
+    def from_env(cls, **overrides: Any):
+        values = env_overrides(cls)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
 @dataclass
-class EngineConfig:
+class EngineConfig(FromEnv):
     """Everything the inference engine needs: model, KV cache, scheduler, backend."""
 
     # Checkpoint directory (Hugging Face layout) or "demo" for the built-in tiny VLM.
@@ -131,16 +141,9 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 2048
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> EngineConfig:
-        """Defaults < ``EPD_*`` variables < explicit overrides (CLI flags)."""
-        values = env_overrides(cls)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
 
 @dataclass
-class ServiceConfig:
+class ServiceConfig(FromEnv):
     """Where a service finds the bus and Redis, who it is, and how long it waits."""
 
     nats_url: str = "nats://127.0.0.1:4222"
@@ -182,9 +185,3 @@ class ServiceConfig:
             raise ValueError("max_blob_mb must be >= 1")
         if self.embedding_ttl_s <= 0 or self.encode_batch_window_ms < 0:
             raise ValueError("embedding_ttl_s must be > 0 and encode_batch_window_ms >= 0")
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> ServiceConfig:
-        values = env_overrides(cls)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.models.loader import CheckpointError
+from services.models.checkpoint import CheckpointError
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -11,15 +11,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.prepare import InvalidRequest
+
 _INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
 
 
-class Unsupported(ValueError):
+class Unsupported(InvalidRequest):
     """A field of a feature this server does not have."""
 
     def __init__(self, param: str, what: str):
-        super().__init__(f"{param}: {what} is not supported by this server")
-        self.param = param
+        super().__init__(f"{param}: {what} is not supported by this server", param)
 
 
 class _Body(BaseModel):

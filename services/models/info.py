@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import EngineConfig
+from services.models.checkpoint import CheckpointError, read_json
 from services.models.demo import ensure_demo_model
-from services.models.loader import CheckpointError, read_json
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,20 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from services.models.checkpoint import CheckpointError, read_json
+
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing, incomplete or corrupt."""
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"missing {path.name} in {path.parent}") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -138,3 +138,31 @@ def test_sampling_params_normalise_their_inputs():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     assert SamplingParams(presence_penalty=0.1).has_penalties
     assert not SamplingParams().has_penalties
+
+
+# ----------------------------------------------------------------- GatewayConfig
+
+
+def test_gateway_config_reads_lists_from_env_and_hides_keys(monkeypatch):
+    from gateway.config import GatewayConfig
+
+    monkeypatch.setenv("EPD_API_KEY", "k1, k2")
+    monkeypatch.setenv("EPD_ALLOWED_MEDIA_DOMAINS", "Images.Example.com,.cdn.example.org")
+    monkeypatch.setenv("EPD_MAX_N", "4")
+    cfg = GatewayConfig.from_env(http_port=9000)
+    assert cfg.api_key == ("k1", "k2") and cfg.max_n == 4 and cfg.http_port == 9000
+    assert cfg.allowed_media_domains == ("images.example.com", ".cdn.example.org")
+    assert "k1" not in repr(cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [(dict(http_port=70000), "http_port"), (dict(max_n=0), "max_n"),
+     (dict(max_body_mb=0), "max_body_mb"), (dict(media_timeout_s=0), "media_timeout_s"),
+     (dict(api_key=("",)), "api_key")],
+)  # fmt: skip
+def test_gateway_config_rejects_out_of_bounds(kwargs, message):
+    from gateway.config import GatewayConfig
+
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig(**kwargs)

@@ -1,0 +1,45 @@
+"""The small endpoints: models, tokenize / detokenize."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.responses import JSONResponse, Response
+
+from gateway.core import GatewayCore
+from gateway.prepare import InvalidRequest
+from gateway.rest.chat import resolve_messages
+from gateway.rest.protocol import DetokenizeRequest, TokenizeRequest
+from services.chat import render_chat
+
+
+def model_card(core: GatewayCore) -> dict:
+    info = core.info
+    return {"id": info.model_id, "object": "model", "created": int(time.time()),
+            "owned_by": "epd-serve", "root": info.model_id, "max_model_len": info.max_model_len,
+            "vision": info.vision}  # fmt: skip
+
+
+async def tokenize(core: GatewayCore, req: TokenizeRequest, headers: dict) -> Response:
+    """Token ids as the model sees them (an image placeholder expanded per image token)."""
+    core.preparer.check_model(req.model or "")
+    tok = core.tokenizer
+    if req.messages is not None:
+        messages = await resolve_messages(None, req.messages)
+        text, _ = render_chat(tok, messages, req.add_generation_prompt)
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    image_id, per_image = core.info.image_token_id, core.info.tokens_per_image
+    if image_id is not None and per_image > 1:
+        ids = [t for i in ids for t in ([i] * per_image if i == image_id else [i])]
+    body = {"count": len(ids), "max_model_len": core.info.max_model_len, "tokens": ids}
+    return JSONResponse(body, headers=headers)
+
+
+async def detokenize(core: GatewayCore, req: DetokenizeRequest, headers: dict) -> Response:
+    core.preparer.check_model(req.model or "")
+    vocab = core.info.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise InvalidRequest(f"tokens must be ids in [0, {vocab})", "tokens")
+    return JSONResponse({"prompt": core.tokenizer.decode(req.tokens)}, headers=headers)
