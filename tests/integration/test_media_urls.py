@@ -120,3 +120,16 @@ async def test_files_only_under_the_allowed_folder(tmp_path):
             await media.load(url)
     with pytest.raises(InvalidRequest, match="not allowed"):
         await loader().load(f"file://{tmp_path}/ok.png")
+
+
+async def test_data_urls_are_bounded_and_checked():
+    import base64
+
+    data = base64.b64encode(IMAGE).decode()
+    assert await loader().load(f"data:image/png;base64,{data}") == IMAGE
+    with pytest.raises(InvalidRequest, match="over the limit"):
+        await loader(max_image_bytes=1000).load(f"data:image/png;base64,{data}")
+    with pytest.raises(InvalidRequest, match="base64"):
+        await loader().load("data:image/png;base64,***")
+    with pytest.raises(InvalidRequest, match="must be base64"):
+        await loader().load("data:image/png,rawbytes")
