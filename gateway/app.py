@@ -38,7 +38,7 @@ class Gateway:
 
     async def start(self) -> None:
         info = ModelInfo.load(self.engine_config)
-        tokenizer = load_tokenizer(info.model_dir)
+        tokenizer = load_tokenizer(info.model_dir, torch_free=True)
         backend = await self._backend()
         await backend.start()
         preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s, self.api)

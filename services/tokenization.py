@@ -5,9 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.models.checkpoint import CheckpointError
+from services.tokenizer_json import JsonTokenizer, has_tokenizer_json
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, torch_free: bool = False):
+    """transformers' AutoTokenizer; ``torch_free`` (the gateway): the checkpoint's
+    tokenizer.json through ``JsonTokenizer`` when there is one (transformers' tokenizer
+    classes import torch)."""
+    if torch_free and has_tokenizer_json(model_dir):
+        return JsonTokenizer(model_dir)
     from transformers import AutoTokenizer
 
     try:

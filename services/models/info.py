@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from services.config import EngineConfig
 from services.models.checkpoint import CheckpointError, read_json
+from services.models.config_json import ConfigFacts, read_facts
 from services.models.demo import ensure_demo_model
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,10 @@ def fingerprint(model_dir: Path, config: EngineConfig) -> str:
     return h.hexdigest()[:16]
 
 
-def max_model_len(text_config, config: EngineConfig) -> int:
-    limit = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
-    window = getattr(text_config, "sliding_window", None)
-    if window and getattr(text_config, "use_sliding_window", True) and window < limit:
+def max_model_len(facts: ConfigFacts, config: EngineConfig) -> int:
+    limit = facts.max_position_embeddings
+    window = facts.sliding_window
+    if window and window < limit:
         # Full attention is exact only inside the window: cap the context there.
         log.warning("capping context to the sliding window (%d tokens)", window)
         limit = int(window)
@@ -55,20 +57,36 @@ def max_model_len(text_config, config: EngineConfig) -> int:
 
 @dataclass
 class ModelInfo:
+    """Read from the checkpoint's JSON files alone (no torch): the gateway loads it too.
+    ``hf_config`` / ``text_config`` (transformers' objects) load on first use, in the
+    processes that build the model."""
+
     model_id: str  # the name clients use ("demo" or the directory's name)
     model_dir: Path
     architectures: list[str]
-    hf_config: object
-    text_config: object
     max_model_len: int
     fingerprint: str
     vocab_size: int
     image_token_id: int | None
     tokens_per_image: int
+    config_eos: int | list[int] | None = None  # eos_token_id of config.json
 
     @property
     def vision(self) -> bool:
         return self.image_token_id is not None
+
+    @cached_property
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot read the config of {self.model_dir}: {e}") from e
+
+    @property
+    def text_config(self):
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
 
     @property
     def generation_config(self) -> dict:
@@ -91,7 +109,7 @@ class ModelInfo:
         model config, then the tokenizer."""
         eos = self.generation_config.get("eos_token_id")
         if eos is None:
-            eos = getattr(self.text_config, "eos_token_id", None)
+            eos = self.config_eos
         if eos is None:
             eos = tokenizer_eos
         if eos is None:
@@ -100,24 +118,9 @@ class ModelInfo:
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelInfo:
-        from transformers import AutoConfig
-
         model_dir = resolve_model_dir(config)
-        archs = read_json(model_dir / "config.json").get("architectures") or []
-        from services.models.registry import resolve
-
-        resolve(archs)  # fail early, naming the architecture
-        try:
-            hf_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"cannot read the config of {model_dir}: {e}") from e
-        text_config = getattr(hf_config, "text_config", None) or hf_config
-        image_id, tpi = None, 0
-        if getattr(hf_config, "vision_config", None) is not None:
-            from services.models.llava import image_token_id, tokens_per_image
-
-            image_id, tpi = image_token_id(hf_config), tokens_per_image(hf_config)
+        facts = read_facts(read_json(model_dir / "config.json"))
         model_id = "demo" if config.model == "demo" else model_dir.name
-        return cls(model_id, model_dir, archs, hf_config, text_config,
-                   max_model_len(text_config, config), fingerprint(model_dir, config),
-                   int(text_config.vocab_size), image_id, tpi)  # fmt: skip
+        return cls(model_id, model_dir, facts.architectures, max_model_len(facts, config),
+                   fingerprint(model_dir, config), facts.vocab_size, facts.image_token_id,
+                   facts.tokens_per_image, facts.eos_token_id)  # fmt: skip

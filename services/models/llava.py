@@ -15,6 +15,7 @@ from transformers import AutoModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from services.kernels.backend import Backend
+from services.models import config_json
 from services.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -42,12 +43,8 @@ def image_token_id(cfg) -> int:
 
 
 def tokens_per_image(cfg) -> int:
-    """Embedding rows per image: patches (+ CLS for CLIP), minus CLS under "default"."""
-    vc = cfg.vision_config
-    n = (vc.image_size // vc.patch_size) ** 2
-    if vc.model_type.startswith("clip"):
-        n += 1
-    return n - 1 if cfg.vision_feature_select_strategy == "default" else n
+    """Embedding rows per image (the rule lives in config_json, shared with the gateway)."""
+    return config_json.tokens_per_image(cfg.to_dict())
 
 
 class VisionEncoder(nn.Module):

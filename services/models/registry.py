@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from services.models.config_json import UnsupportedModelError
 from services.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -19,10 +20,6 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture has no implementation here."""
 
 
 def resolve(architectures: list[str] | None) -> type[nn.Module]:

@@ -1,0 +1,94 @@
+"""What every process must agree on about a checkpoint, read from its ``config.json``
+without transformers' config classes (they import torch; the gateway must not).
+
+A saved config may leave out values equal to the class defaults, so each supported
+model type's defaults are listed here; tests/unit/test_config_json.py holds them equal to
+transformers' own classes, and every value read here equal to what AutoConfig gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.models.checkpoint import CheckpointError
+
+# The ``architectures`` names services/models/registry.py implements.
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
+                                     "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                     "LlavaForConditionalGeneration"})  # fmt: skip
+
+_TEXT_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "vocab_size": 32000, "eos_token_id": 2},
+    "mistral": {"max_position_embeddings": 131072, "vocab_size": 32000, "eos_token_id": 2,
+                "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "vocab_size": 151936, "use_sliding_window": False},
+    "qwen3": {"max_position_embeddings": 32768, "vocab_size": 151936, "use_sliding_window": False},
+}  # fmt: skip
+_VISION_DEFAULTS = {
+    "clip_vision_model": {"image_size": 224, "patch_size": 32},
+    "siglip_vision_model": {"image_size": 224, "patch_size": 16},
+}
+_LLAVA_DEFAULTS = {"image_token_index": 32000, "vision_feature_select_strategy": "default"}
+# A llava config's sub-configs name their model type, or get these.
+_LLAVA_SUB_TYPES = {"text_config": "llama", "vision_config": "clip_vision_model"}
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's architecture has no implementation here."""
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    architectures: list[str]
+    max_position_embeddings: int
+    sliding_window: int | None  # attention window, when the model uses one
+    vocab_size: int
+    eos_token_id: int | list[int] | None
+    image_token_id: int | None  # None: no vision
+    tokens_per_image: int
+
+
+def read_facts(cfg: dict) -> ConfigFacts:
+    """The facts of a parsed config.json; CheckpointError for an unsupported model."""
+    archs = list(cfg.get("architectures") or [])
+    if not SUPPORTED_ARCHITECTURES.intersection(archs):
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    vision = cfg.get("model_type") == "llava" or "vision_config" in cfg
+    top = _llava(cfg) if vision else cfg
+    text = _with_defaults(top["text_config"] if vision else cfg, _TEXT_DEFAULTS, "text")
+    window = text.get("sliding_window")
+    if not text.get("use_sliding_window", True):
+        window = None
+    image_id, per_image = None, 0
+    if vision:
+        tid = top.get("image_token_id")
+        image_id = int(tid if tid is not None else top["image_token_index"])
+        per_image = tokens_per_image(cfg)
+    return ConfigFacts(archs, int(text["max_position_embeddings"] or 2048), window,
+                       int(text["vocab_size"]), text.get("eos_token_id"), image_id, per_image)  # fmt: skip
+
+
+def _llava(cfg: dict) -> dict:
+    top = {**_LLAVA_DEFAULTS, **cfg}
+    for key, kind in _LLAVA_SUB_TYPES.items():
+        top[key] = {"model_type": kind, **(cfg.get(key) or {})}
+    return top
+
+
+def _with_defaults(sub: dict, table: dict, what: str) -> dict:
+    kind = sub.get("model_type")
+    if kind not in table:
+        raise CheckpointError(f"unsupported {what} model type {kind!r}; supported: {sorted(table)}")
+    return {**table[kind], **sub}
+
+
+def tokens_per_image(llava_config: dict) -> int:
+    """Embedding rows per image: patches (+ CLS for CLIP), minus CLS under "default"."""
+    top = _llava(llava_config)
+    vc = _with_defaults(top["vision_config"], _VISION_DEFAULTS, "vision")
+    n = (vc["image_size"] // vc["patch_size"]) ** 2
+    if vc["model_type"].startswith("clip"):
+        n += 1
+    return n - 1 if top["vision_feature_select_strategy"] == "default" else n

@@ -1,0 +1,104 @@
+"""The torch-free config reader agrees with transformers' AutoConfig: the defaults it
+lists are the config classes' own, and every fact it reads (context, window, vocabulary,
+EOS, image token, image tokens) is what AutoConfig gives, for full configs as
+transformers 5 saves them and for minimal ones that leave defaults out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.models import config_json
+from services.models.config_json import read_facts
+from tests.helpers.checkpoints import make_llava_checkpoint, make_text_checkpoint
+
+
+def _autoconfig_facts(path):
+    from transformers import AutoConfig
+
+    from services.models.llava import image_token_id, tokens_per_image
+
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    text = getattr(cfg, "text_config", None) or cfg
+    window = getattr(text, "sliding_window", None)
+    if not getattr(text, "use_sliding_window", True):
+        window = None
+    vision = getattr(cfg, "vision_config", None) is not None
+    return (text.max_position_embeddings, window, text.vocab_size, text.eos_token_id,
+            image_token_id(cfg) if vision else None, tokens_per_image(cfg) if vision else 0)  # fmt: skip
+
+
+def _ours(path):
+    f = read_facts(json.loads((path / "config.json").read_text()))
+    return (f.max_position_embeddings, f.sliding_window, f.vocab_size, f.eos_token_id,
+            f.image_token_id, f.tokens_per_image)  # fmt: skip
+
+
+def test_default_tables_are_transformers_defaults():
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        SiglipVisionConfig,
+    )
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+               "qwen3": Qwen3Config, "clip_vision_model": CLIPVisionConfig,
+               "siglip_vision_model": SiglipVisionConfig}  # fmt: skip
+    for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
+        for kind, defaults in table.items():
+            made = classes[kind]()
+            assert {k: getattr(made, k) for k in defaults} == defaults, kind
+    llava = LlavaConfig()
+    assert llava.image_token_index == config_json._LLAVA_DEFAULTS["image_token_index"]
+    assert llava.vision_feature_select_strategy == "default"
+    assert llava.text_config.model_type == config_json._LLAVA_SUB_TYPES["text_config"]
+    assert llava.vision_config.model_type == config_json._LLAVA_SUB_TYPES["vision_config"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda r: make_text_checkpoint(r, "llama"), lambda r: make_text_checkpoint(r, "qwen2"),
+     lambda r: make_text_checkpoint(r, "qwen3"), lambda r: make_text_checkpoint(r, "mistral"),
+     lambda r: make_llava_checkpoint(r), lambda r: make_llava_checkpoint(r, vision="siglip"),
+     lambda r: make_llava_checkpoint(r, strategy="full")],
+    ids=["llama", "qwen2", "qwen3", "mistral", "llava-clip", "llava-siglip", "llava-full"],
+)  # fmt: skip
+def test_saved_checkpoints_read_as_autoconfig_reads_them(tmp_path, make):
+    path = make(tmp_path)
+    assert _ours(path) == _autoconfig_facts(path)
+
+
+MINIMAL = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+    "qwen2-window": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                     "use_sliding_window": True, "sliding_window": 4096},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "llava": {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+              "text_config": {"vocab_size": 32064}, "vision_config": {"image_size": 336,
+                                                                      "patch_size": 14}},
+    "llava-siglip": {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+                     "image_token_id": 7, "vision_feature_select_strategy": "full",
+                     "text_config": {"model_type": "qwen2"},
+                     "vision_config": {"model_type": "siglip_vision_model"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MINIMAL))
+def test_minimal_configs_take_the_class_defaults(tmp_path, name):
+    (tmp_path / "config.json").write_text(json.dumps(MINIMAL[name]))
+    assert _ours(tmp_path) == _autoconfig_facts(tmp_path)
+
+
+def test_supported_names_are_the_registry(tmp_path):
+    from services.models.checkpoint import CheckpointError
+    from services.models.registry import MODELS
+
+    assert set(MODELS) == config_json.SUPPORTED_ARCHITECTURES
+    with pytest.raises(CheckpointError, match="unsupported architecture"):
+        read_facts({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
