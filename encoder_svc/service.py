@@ -31,7 +31,13 @@ from services.bus.handlers import Incoming
 from services.bus.heartbeat import HeartbeatPublisher, Load
 from services.config import EngineConfig, ServiceConfig
 from services.images import ImageError, ImagePreprocessor, decode_image, image_hash
-from services.metrics import EMBEDDING_CACHE_HITS, IMAGES_ENCODED
+from services.metrics import (
+    EMBEDDING_CACHE_BYTES,
+    EMBEDDING_CACHE_HITS,
+    EMBEDDING_CACHE_MISSES,
+    EMBEDDING_SINGLEFLIGHT_JOINS,
+    IMAGES_ENCODED,
+)
 from services.models.factory import load_vision_encoder
 from services.runtime import connect_bus
 from services.singleflight import SingleFlight
@@ -87,6 +93,8 @@ class EncoderService:
     async def _encode_and_store(self, image, digest: str) -> tuple[torch.Tensor, bool]:
         emb = await self.batcher.submit(image)
         stored = await self.store.put(self.fingerprint, digest, emb)
+        if stored:
+            EMBEDDING_CACHE_BYTES.inc(emb.numel() * emb.element_size())
         return emb, stored
 
     async def _on_encode(self, msg: Incoming) -> None:
@@ -120,6 +128,9 @@ class EncoderService:
             return reply
         if image_hash(data, self.fingerprint) != req.image_hash:
             return _failed(reply, _INVALID, "image_hash does not match the image bytes")
+        EMBEDDING_CACHE_MISSES.inc()
+        if self.flight.inflight(req.image_hash):
+            EMBEDDING_SINGLEFLIGHT_JOINS.inc()
         try:
             image = await asyncio.to_thread(decode_image, data)
             emb, stored = await self.flight.do(

@@ -7,10 +7,12 @@ import contextlib
 import logging
 import uuid
 
+from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
 from gateway.grpc_server import start_grpc_server, track_health
 from gateway.prepare import RequestPreparer
+from gateway.response_cache import BusCacheClient, LocalCacheClient, ResponseCache
 from gateway.rest.server import RestServer
 from services.config import EngineConfig, ServiceConfig
 from services.models.info import ModelInfo
@@ -24,10 +26,13 @@ class Gateway:
     E -> P -> D over NATS."""
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig, aggregated: bool,
-                 api: GatewayConfig | None = None):  # fmt: skip
+                 api: GatewayConfig | None = None,
+                 cache: SemanticCacheConfig | None = None):  # fmt: skip
         self.engine_config = engine_config
         self.config = config
         self.api = api or GatewayConfig()
+        self.cache_config = cache or SemanticCacheConfig()
+        self._local_cache = None  # serve all: the semantic cache in this process
         self.aggregated = aggregated
         self.instance_id = config.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
         self.core: GatewayCore | None = None
@@ -42,7 +47,7 @@ class Gateway:
         backend = await self._backend()
         await backend.start()
         preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s, self.api)
-        self.core = GatewayCore(preparer, backend, self.api)
+        self.core = GatewayCore(preparer, backend, self.api, await self._cache(backend, info))
         self.grpc_server, self.grpc_port, health = await start_grpc_server(
             self.core, self.config.host, self.config.grpc_port
         )
@@ -54,6 +59,20 @@ class Gateway:
         self.http_port = self.rest.port
         log.info("gateway %s serving gRPC on port %d, REST on port %d", self.instance_id,
                  self.grpc_port, self.http_port)  # fmt: skip
+
+    async def _cache(self, backend, info: ModelInfo) -> ResponseCache | None:
+        """The response cache: the cache service over the bus (fleet), or one in this
+        process (serve all: it runs the engine, so the embedding model may live here)."""
+        if not self.cache_config.cache_enabled:
+            return None
+        if self.aggregated:
+            from cache_svc.service import open_cache
+
+            self._local_cache = await open_cache(self.config.redis_url, self.cache_config)
+            client = LocalCacheClient(self._local_cache)
+        else:
+            client = BusCacheClient(backend.bus)
+        return ResponseCache(client, self.cache_config, info.fingerprint)
 
     async def _backend(self):
         if self.aggregated:
@@ -81,3 +100,5 @@ class Gateway:
             await self.grpc_server.stop(self.config.shutdown_grace_s)
         if self.core is not None:
             await self.core.backend.stop()
+        if self._local_cache is not None:
+            await self._local_cache.stop()

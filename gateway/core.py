@@ -15,6 +15,7 @@ from typing import Protocol
 from gateway.config import GatewayConfig
 from gateway.events import BackendError, TokenEvent
 from gateway.prepare import PreparedRequest, RequestPreparer
+from gateway.response_cache import ResponseCache, replay
 from gateway.stream import Delta, OutputStream
 from services.metrics import REQUESTS, TTFT
 
@@ -37,10 +38,11 @@ class GatewayCore:
     """Shared by the gRPC server and the OpenAI app."""
 
     def __init__(self, preparer: RequestPreparer, backend: ServingBackend,
-                 config: GatewayConfig | None = None):  # fmt: skip
+                 config: GatewayConfig | None = None, cache: ResponseCache | None = None):  # fmt: skip
         self.preparer = preparer
         self.backend = backend
         self.config = config or GatewayConfig()
+        self.cache = cache
         self.tokenizer = preparer.tokenizer
         self.info = preparer.info
         self.inflight = 0
@@ -65,21 +67,26 @@ class GatewayCore:
             )
 
     async def run(self, prep: PreparedRequest) -> AsyncIterator[tuple[Delta, list[OutputStream]]]:
-        """Yield (delta, every choice's stream) until every choice finishes; abort the
-        request on the workers if the consumer stops early, and a choice as soon as a
-        stop string ends it here."""
+        """Yield (delta, every choice's stream) until every choice finishes: from the
+        response cache when it has the answer, else from the backend; abort the request
+        on the workers if the consumer stops early, and a choice as soon as a stop string
+        ends it here. A finished answer goes to the cache."""
         self.check_capacity()
         self.inflight += 1
-        streams = [OutputStream(prep, self.tokenizer, i) for i in range(prep.params.n)]
-        events = self.backend.generate(prep)
         start, first, outcome = time.perf_counter(), True, "error"
+        streams = [OutputStream(prep, self.tokenizer, i) for i in range(prep.params.n)]
+        cached = await self.cache.lookup(prep) if self.cache is not None else None
+        workers = cached is None
+        events = (
+            self.backend.generate(prep) if workers else replay(cached, len(prep.prompt_token_ids))
+        )
         try:
             async for event in events:
                 stream = streams[event.index]
                 if stream.finished:
                     continue
                 delta = stream.add(event)
-                if stream.stopped:
+                if stream.stopped and workers:
                     await self.backend.abort(prep, stream.index)
                 if first and delta.token_ids:
                     TTFT.observe(time.perf_counter() - start)
@@ -88,6 +95,8 @@ class GatewayCore:
                     yield delta, streams
                 if all(s.finished for s in streams):
                     outcome = "ok"
+                    if self.cache is not None and workers:
+                        self.cache.store(prep, streams)
                     return
             # Accepted work is never lost silently: the client learns it did not finish.
             raise BackendError("UNAVAILABLE", "the workers stopped before the request finished")
@@ -95,7 +104,7 @@ class GatewayCore:
             self.inflight -= 1
             REQUESTS.labels(outcome if outcome == "ok" else "unfinished").inc()
             await events.aclose()
-            if not all(s.finished for s in streams):
+            if workers and not all(s.finished for s in streams):
                 log.info("aborting request", extra={"request_id": prep.request_id})
                 await self.backend.abort(prep)
 

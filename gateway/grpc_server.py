@@ -38,6 +38,14 @@ def _messages(chat: pb.Chat) -> list[dict]:
     return out
 
 
+def _cache_metadata(prep: PreparedRequest) -> tuple:
+    """x-epd-cache (hit-exact, hit-semantic, miss), as over REST."""
+    meta = (("x-epd-cache", prep.cache_status),)
+    if prep.cache_similarity is not None:
+        meta += (("x-epd-cache-similarity", f"{prep.cache_similarity:.4f}"),)
+    return meta
+
+
 def _echo(prep: PreparedRequest) -> str:
     """The id a response carries: the client's own when it sent one."""
     return prep.client_request_id if prep.client_request_id is not None else prep.request_id
@@ -72,6 +80,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _prepare(self, request: pb.GenerateRequest, context) -> PreparedRequest:
         which = request.WhichOneof("input")
+        meta = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        mode = "bypass" if request.cache_opt_out else meta.get("x-epd-cache", "default").lower()
         try:
             self.core.check_capacity()
             return await self.core.prepare(
@@ -81,7 +91,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 prompt_token_ids=list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
                 images=list(request.images),
                 request_id=request.request_id if request.HasField("request_id") else None,
-                cache_opt_out=request.cache_opt_out,
+                cache_opt_out=request.cache_opt_out, cache_mode=mode,
+                tenant=meta.get("x-epd-user", ""),
             )  # fmt: skip
         except Exception as e:
             await _abort_with_status(context, "", e)
@@ -100,7 +111,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         prep = await self._prepare(request, context)
         try:
+            first = True
             async for delta, streams in self.core.run(prep):
+                if first:  # the cache lookup is done by the first delta
+                    await context.send_initial_metadata(_cache_metadata(prep))
+                    first = False
                 yield self._response(prep, delta, streams)
         except Exception as e:  # errors are values at the edge: always a status
             await _abort_with_status(context, prep.request_id, e)
@@ -113,6 +128,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 pass
         except Exception as e:
             await _abort_with_status(context, prep.request_id, e)
+        await context.send_initial_metadata(_cache_metadata(prep))
         tok = self.core.tokenizer
         choices = [pb.Choice(index=s.index, token_ids=s.token_ids, text=s.text,
                              logprobs=_logprobs(tok, s.logprobs),

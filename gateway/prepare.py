@@ -42,6 +42,17 @@ class PreparedRequest:
     messages: list[dict] | None = None
     # The client's own id (X-Request-Id, gRPC request_id): only echoed back.
     client_request_id: str | None = None
+    # Semantic cache: whose answers it may share (API key or `user`), the client's
+    # x-epd-cache mode ("default", "no-cache", "no-store", "bypass"), and what it did.
+    tenant: str = ""
+    cache_mode: str = "default"
+    cache_status: str = "miss"  # "hit-exact", "hit-semantic", "miss"
+    cache_similarity: float | None = None
+
+
+# The x-epd-cache request header: default; no-cache (do not read the semantic cache, store
+# the answer); no-store (read, do not store); bypass (neither).
+CACHE_MODES = ("default", "no-cache", "no-store", "bypass")
 
 
 def new_request_id() -> str:
@@ -74,11 +85,15 @@ class RequestPreparer:
 
     def prepare(self, *, model: str, params: dict, messages=None, prompt=None, prompt_token_ids=None,
                 images=(), request_id: str | None = None, cache_opt_out: bool = False,
-                add_special_tokens: bool = True) -> PreparedRequest:  # fmt: skip
+                add_special_tokens: bool = True, tenant: str = "",
+                cache_mode: str = "default") -> PreparedRequest:  # fmt: skip
         """``params``: SamplingParams keywords the client set (unset ones take the
         checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
         (bad values), ModelNotFoundError."""
         self.check_model(model)
+        if cache_mode not in CACHE_MODES:
+            raise InvalidRequest(f"x-epd-cache must be one of {', '.join(CACHE_MODES)}, "
+                                 f"got {cache_mode!r}", "x-epd-cache")  # fmt: skip
         images = list(images)
         if messages is not None:
             prompt, chat_images = render_chat(self.tokenizer, messages)
@@ -99,7 +114,7 @@ class RequestPreparer:
             request_id=new_request_id(), prompt_token_ids=processed.token_ids, params=sp,
             images=raw, spans=processed.spans, prompt_text=prompt,
             deadline=time.time() + self.timeout_s, cache_opt_out=cache_opt_out,
-            messages=messages, client_request_id=request_id,
+            messages=messages, client_request_id=request_id, tenant=tenant, cache_mode=cache_mode,
         )  # fmt: skip
 
     def _check_images(self, images: list) -> None:

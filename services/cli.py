@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-ROLES = ("encoder", "prefill", "decode", "gateway", "all")
+ROLES = ("encoder", "prefill", "decode", "cache", "gateway", "all")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +41,13 @@ def _service_args(p: argparse.ArgumentParser) -> None:
                         "'.example.com' admits subdomains)")  # fmt: skip
     a.add_argument("--allowed-local-media-path", default=None,
                    help="folder under which file:// image URLs may be read")  # fmt: skip
+    c = p.add_argument_group("semantic response cache (cache, gateway, all, up)")
+    c.add_argument("--cache-threshold", type=float, default=None,
+                   help="cosine above which a stored question answers a new one (0.80)")  # fmt: skip
+    c.add_argument("--cache-ttl-s", type=int, default=None, help="lifetime of a cached answer")
+    c.add_argument("--cache-max-entries", type=int, default=None, help="most answers kept")
+    c.add_argument("--no-response-cache", dest="cache_enabled", action="store_const", const=False,
+                   default=None, help="gateway: never ask the semantic cache")  # fmt: skip
 
 
 def engine_config(args):
@@ -66,6 +73,13 @@ def gateway_config(args):
     return GatewayConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 
+def cache_config(args):
+    from cache_svc.config import SemanticCacheConfig
+
+    keys = ("cache_threshold", "cache_ttl_s", "cache_max_entries", "cache_enabled")
+    return SemanticCacheConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+
+
 def _generate(args) -> int:
     from services import LLM, SamplingParams
 
@@ -89,13 +103,21 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     from services.serve import serve
 
-    return serve(args.role, engine_config(args), service_config(args), gateway_config(args))
+    return serve(
+        args.role,
+        engine_config(args),
+        service_config(args),
+        gateway_config(args),
+        cache_config(args),
+    )
 
 
 def _up(args) -> int:
     from services.stack import up
 
-    return up(args, engine_config(args), service_config(args), gateway_config(args))
+    return up(
+        args, engine_config(args), service_config(args), gateway_config(args), cache_config(args)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,8 @@ from services.config import EngineConfig, ServiceConfig
 from services.runtime import serve_until_signal
 
 
-def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None):
+def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None,
+                 cache=None):  # fmt: skip
     if role == "encoder":
         from encoder_svc.service import EncoderService
 
@@ -21,14 +22,20 @@ def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, 
         from decode_svc.service import DecodeService
 
         return DecodeService(engine_config, config)
+    if role == "cache":
+        from cache_svc.service import CacheService
+
+        return CacheService(config, cache)
     if role in ("gateway", "all"):
         from gateway.app import Gateway
 
-        return Gateway(engine_config, config, aggregated=role == "all", api=gateway)
+        return Gateway(engine_config, config, aggregated=role == "all", api=gateway, cache=cache)
     raise ValueError(f"unknown role {role!r}")
 
 
-def serve(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None) -> int:
-    """``gateway``: the GatewayConfig of the gateway roles (gateway, all)."""
-    asyncio.run(serve_until_signal(make_service(role, engine_config, config, gateway)))
+def serve(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None,
+          cache=None) -> int:  # fmt: skip
+    """``gateway``: the GatewayConfig of the gateway roles (gateway, all); ``cache``: the
+    SemanticCacheConfig of the cache service and the gateways."""
+    asyncio.run(serve_until_signal(make_service(role, engine_config, config, gateway, cache)))
     return 0

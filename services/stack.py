@@ -24,6 +24,7 @@ from services.localstack import start_nats, start_redis
 from services.models.info import ModelInfo
 
 if TYPE_CHECKING:
+    from cache_svc.config import SemanticCacheConfig
     from gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -70,17 +71,18 @@ def _roles(args, info: ModelInfo) -> list[tuple[str, str]]:
     if args.aggregated:
         return [("all", "all-0")]
     roles = [("encoder", "encoder-0")] if info.vision else []
-    roles += [("prefill", "prefill-0")]
+    roles += [("prefill", "prefill-0"), ("cache", "cache-0")]
     roles += [("decode", f"decode-{i}") for i in range(args.decode_replicas)]
     return roles + [("gateway", "gateway-0")]
 
 
-def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig) -> int:
+def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
+       cache: SemanticCacheConfig) -> int:  # fmt: skip
     info = ModelInfo.load(engine)  # also generates the demo checkpoint once, before the children
     nats = start_nats(port=int(cfg.nats_url.rsplit(":", 1)[1]))
     redis = start_redis(port=int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0]), maxmemory="1gb")
     cfg = dataclasses.replace(cfg, nats_url=nats.url, redis_url=redis.url)
-    env = _env(engine, gateway)
+    env = _env(engine, gateway, cache)
     children: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -24,7 +24,7 @@ from gateway.rest.chat import chat_completion
 from gateway.rest.completions import completion
 from gateway.rest.info import detokenize, model_card, tokenize
 from gateway.rest.media import MediaLoader
-from gateway.rest.middleware import BodyTooLarge, GatewayMiddleware, client_request_id
+from gateway.rest.middleware import BodyTooLarge, Call, GatewayMiddleware
 from gateway.rest.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,8 +35,8 @@ from gateway.rest.responses import error_response
 
 VERSION = "0.1.0"
 _BODIES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
-# (validated body, client's request id, response headers) -> response
-Handler = Callable[[BaseModel, str | None, dict], Awaitable[Response]]
+# (validated body, the call's particulars) -> response
+Handler = Callable[[BaseModel, Call], Awaitable[Response]]
 
 
 def build_app(core: GatewayCore) -> GatewayMiddleware:
@@ -57,11 +57,12 @@ def _post_routes(app: FastAPI, core: GatewayCore) -> dict[str, Callable]:
     media = MediaLoader(core.config)
     routes: list[tuple[str, type[BaseModel], Handler, str]] = [
         ("/v1/chat/completions", ChatCompletionRequest,
-         lambda b, cid, h: chat_completion(core, media, b, cid, h), "Create a chat completion"),
-        ("/v1/completions", CompletionRequest, lambda b, cid, h: completion(core, b, cid, h),
+         lambda b, call: chat_completion(core, media, b, call), "Create a chat completion"),
+        ("/v1/completions", CompletionRequest, lambda b, call: completion(core, b, call),
          "Create a text completion"),
-        ("/tokenize", TokenizeRequest, lambda b, cid, h: tokenize(core, b, h), "Tokenize"),
-        ("/detokenize", DetokenizeRequest, lambda b, cid, h: detokenize(core, b, h), "Detokenize"),
+        ("/tokenize", TokenizeRequest, lambda b, call: tokenize(core, b, call.headers), "Tokenize"),
+        ("/detokenize", DetokenizeRequest, lambda b, call: detokenize(core, b, call.headers),
+         "Detokenize"),
     ]  # fmt: skip
     direct = {}
     for path, model, handler, summary in routes:
@@ -107,7 +108,7 @@ def _endpoint(model: type[BaseModel], handler: Handler) -> Callable:
     async def run(request: Request) -> Response:
         try:
             body = await _parse(request, model)
-            return await handler(body, client_request_id(request), _headers(request))
+            return await handler(body, Call.of(request, _headers(request)))
         except BodyTooLarge as e:
             failure = RequestFailure("PAYLOAD_TOO_LARGE", str(e))
         except Exception as e:  # errors are values at the edge

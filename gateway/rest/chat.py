@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from gateway.core import GatewayCore
 from gateway.rest.media import MediaLoader
+from gateway.rest.middleware import Call
 from gateway.rest.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from gateway.rest.responses import chat_logprobs
 from gateway.rest.serving import CompletionRun, finish_reason
@@ -39,7 +40,7 @@ class ChatRenderer:
 
 
 async def chat_completion(core: GatewayCore, media: MediaLoader, req: ChatCompletionRequest,
-                          client_id: str | None, headers: dict) -> Response:  # fmt: skip
+                          call: Call) -> Response:  # fmt: skip
     """Raises InvalidRequest & co. before anything runs; failures after that are answered."""
     req.check_supported()
     messages = await resolve_messages(media, req.messages)
@@ -47,10 +48,11 @@ async def chat_completion(core: GatewayCore, media: MediaLoader, req: ChatComple
     params["logprobs"] = req.num_logprobs
     core.check_capacity()
     prep = await core.prepare(model=req.model or "", params=params, messages=messages,
-                              request_id=client_id)  # fmt: skip
+                              request_id=call.client_id, tenant=call.tenant(req.user),
+                              cache_mode=call.cache_mode)  # fmt: skip
     run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await run.respond(req.stream, include_usage, headers)
+    return await run.respond(req.stream, include_usage, call.headers)
 
 
 async def resolve_messages(media: MediaLoader | None, messages: list[ChatMessage]) -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.responses import Response
 
 from gateway.core import GatewayCore
+from gateway.rest.middleware import Call
 from gateway.rest.protocol import CompletionRequest
 from gateway.rest.responses import completion_logprobs
 from gateway.rest.serving import CompletionRun, finish_reason
@@ -46,8 +47,7 @@ class TextRenderer:
                 "finish_reason": finish_reason(stream) if delta.finish_reason else None}  # fmt: skip
 
 
-async def completion(core: GatewayCore, req: CompletionRequest, client_id: str | None,
-                     headers: dict) -> Response:  # fmt: skip
+async def completion(core: GatewayCore, req: CompletionRequest, call: Call) -> Response:
     req.check_supported()
     params = req.sampling_kwargs(req.max_tokens)
     params["logprobs"] = req.logprobs
@@ -57,11 +57,15 @@ async def completion(core: GatewayCore, req: CompletionRequest, client_id: str |
         text = prompt if isinstance(prompt, str) else None
         ids = None if isinstance(prompt, str) else list(prompt)
         preps.append(await core.prepare(model=req.model or "", params=params, prompt=text,
-                                        prompt_token_ids=ids, request_id=client_id))  # fmt: skip
+                                        prompt_token_ids=ids, request_id=call.client_id,
+                                        tenant=call.tenant(req.user),
+                                        cache_mode=call.cache_mode))  # fmt: skip
     echo = None
     if req.echo:
         echo = [p.prompt_text if p.prompt_text is not None
                 else core.tokenizer.decode(p.prompt_token_ids) for p in preps]  # fmt: skip
     renderer = TextRenderer(core.tokenizer, req.n, req.logprobs is not None, echo)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await CompletionRun(core, preps, renderer).respond(req.stream, include_usage, headers)
+    return await CompletionRun(core, preps, renderer).respond(
+        req.stream, include_usage, call.headers
+    )

@@ -4,10 +4,12 @@ hot POST endpoints straight to their handlers, everything else to FastAPI."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -18,9 +20,26 @@ class BodyTooLarge(Exception):
     """The request body grew past the limit while it was read."""
 
 
-def client_request_id(request: Request) -> str | None:
-    """The client's own X-Request-Id, if it sent one (only ever echoed back)."""
-    return request.headers.get("x-request-id")
+@dataclass
+class Call:
+    """What a handler needs to know about the HTTP call besides its body."""
+
+    client_id: str | None  # the client's own X-Request-Id (only ever echoed back)
+    headers: dict  # for the response
+    cache_mode: str  # the x-epd-cache header: default, no-cache, no-store or bypass
+    api_key: str  # the bearer token that passed (part of the cache tenant), or ""
+
+    @classmethod
+    def of(cls, request: Request, headers: dict) -> Call:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else ""
+        return cls(request.headers.get("x-request-id"), headers,
+                   request.headers.get("x-epd-cache", "default").strip().lower(), key)  # fmt: skip
+
+    def tenant(self, user: str | None) -> str:
+        """Whose cached answers this call may share: its API key's, and its ``user``'s."""
+        key = hashlib.sha256(self.api_key.encode()).hexdigest()[:16] if self.api_key else ""
+        return f"{key}:{user or ''}" if key or user else ""
 
 
 class GatewayMiddleware:

@@ -31,6 +31,16 @@ class Renderer(Protocol):
     ) -> dict: ...
 
 
+def cache_headers(preps: list[PreparedRequest]) -> dict:
+    """x-epd-cache: a hit when every prompt of the request came from the cache."""
+    statuses = {p.cache_status for p in preps}
+    status = statuses.pop() if len(statuses) == 1 else "miss"
+    headers = {"x-epd-cache": status}
+    if status == "hit-semantic":
+        headers["x-epd-cache-similarity"] = f"{min(p.cache_similarity for p in preps):.4f}"
+    return headers
+
+
 def finish_reason(stream: OutputStream) -> str | None:
     reason = stream.state.finish_reason
     return None if reason is None else ("length" if reason == "length" else "stop")
@@ -65,6 +75,7 @@ class CompletionRun:
         except Exception as e:
             await items.aclose()
             return error_response(classify(e, self.preps[0].request_id), headers)
+        headers = {**headers, **cache_headers(self.preps)}
         if stream:
             events = self._events(first, items, include_usage)
             return SSEResponse(events, self.preps[0].request_id, headers)

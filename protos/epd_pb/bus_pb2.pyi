@@ -319,3 +319,69 @@ class Heartbeat(_message.Message):
     draining: bool
     model: str
     def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+
+class CachedChoice(_message.Message):
+    __slots__ = ("index", "token_ids", "finish_reason", "stop_token_id", "stop_string")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _inference_pb2.FinishReason
+    stop_token_id: int
+    stop_string: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+
+class CachedAnswer(_message.Message):
+    __slots__ = ("choices", "max_tokens")
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedCompositeFieldContainer[CachedChoice]
+    max_tokens: int
+    def __init__(self, choices: _Optional[_Iterable[_Union[CachedChoice, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheQuery(_message.Message):
+    __slots__ = ("fingerprint", "exact_key", "text", "max_tokens", "tenant")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EXACT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    exact_key: str
+    text: str
+    max_tokens: int
+    tenant: str
+    def __init__(self, fingerprint: _Optional[str] = ..., exact_key: _Optional[str] = ..., text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class CacheLookupReply(_message.Message):
+    __slots__ = ("hit", "tier", "similarity", "answer", "error")
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    hit: bool
+    tier: str
+    similarity: float
+    answer: CachedAnswer
+    error: Error
+    def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[str] = ..., similarity: _Optional[float] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class CacheStoreRequest(_message.Message):
+    __slots__ = ("query", "answer")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    query: CacheQuery
+    answer: CachedAnswer
+    def __init__(self, query: _Optional[_Union[CacheQuery, _Mapping]] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ...) -> None: ...
+
+class CacheStoreReply(_message.Message):
+    __slots__ = ("stored", "error")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    error: Error
+    def __init__(self, stored: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cache_svc.config import SemanticCacheConfig
 from decode_svc.service import DecodeService
 from encoder_svc.service import EncoderService
 from gateway.app import Gateway
@@ -45,15 +46,23 @@ def service_config(nats_url: str, redis_url: str, name: str) -> ServiceConfig:
                          stall_timeout_s=10.0, request_timeout_s=60.0, shutdown_grace_s=2.0)  # fmt: skip
 
 
+# The fleet tests compare engine paths: a response-cache hit would make them vacuous, so
+# the cache is off unless a test turns it on (tests/integration/test_semantic_cache.py).
+NO_CACHE = SemanticCacheConfig(cache_enabled=False)
+
+
 async def start_gateway(engine: EngineConfig, cfg: ServiceConfig, aggregated: bool,
-                        api: GatewayConfig | None = None) -> Gateway:  # fmt: skip
-    gw = Gateway(engine, cfg, aggregated=aggregated, api=api or GatewayConfig(http_port=0))
+                        api: GatewayConfig | None = None,
+                        cache: SemanticCacheConfig = NO_CACHE) -> Gateway:  # fmt: skip
+    gw = Gateway(engine, cfg, aggregated=aggregated, api=api or GatewayConfig(http_port=0),
+                 cache=cache)  # fmt: skip
     await gw.start()
     return gw
 
 
 async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str,
-                              num_decode: int = 2) -> Stack:  # fmt: skip
+                              num_decode: int = 2,
+                              cache: SemanticCacheConfig = NO_CACHE) -> Stack:  # fmt: skip
     def cfg(name: str) -> ServiceConfig:
         return service_config(nats_url, redis_url, f"{name}-{tag}")
 
@@ -63,7 +72,8 @@ async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: st
     stack = Stack(None, encoder, prefill, decodes)
     try:
         await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
-        stack.gateway = gw = await start_gateway(engine, cfg("gateway"), aggregated=False)
+        stack.gateway = gw = await start_gateway(engine, cfg("gateway"), aggregated=False,
+                                                 cache=cache)  # fmt: skip
         registry, fp = gw.core.backend.registry, gw.core.info.fingerprint
 
         def live(role: str) -> int:  # other stacks (models) may share the bus
@@ -80,10 +90,10 @@ async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: st
     return stack
 
 
-async def start_aggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str) -> Stack:
-    gw = await start_gateway(
-        engine, service_config(nats_url, redis_url, f"all-{tag}"), aggregated=True
-    )
+async def start_aggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str,
+                           cache: SemanticCacheConfig = NO_CACHE) -> Stack:  # fmt: skip
+    gw = await start_gateway(engine, service_config(nats_url, redis_url, f"all-{tag}"),
+                             aggregated=True, cache=cache)  # fmt: skip
     stack = Stack(gw)
     stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
     return stack

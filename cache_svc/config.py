@@ -1,0 +1,44 @@
+"""Settings of the semantic response cache, for the cache service and the gateway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.config import FromEnv
+
+
+@dataclass
+class SemanticCacheConfig(FromEnv):
+    """``EPD_CACHE_*`` variables and CLI flags. Validated at construction."""
+
+    # Gateway: ask the cache at all (per request: the x-epd-cache header).
+    cache_enabled: bool = True
+    # Cosine of the sentence embeddings above which a stored question may answer a new
+    # one (after the second check); bench/semantic_cache.py chose it.
+    cache_threshold: float = 0.80
+    # Lifetime of a cached answer.
+    cache_ttl_s: int = 3600
+    # Most answers kept, all tenants together (oldest evicted first).
+    cache_max_entries: int = 1_000_000
+    # Most answers kept per tenant (API key or `user`); 0: no quota.
+    cache_tenant_quota: int = 0
+    # Also cache requests that sample (temperature > 0): off, the same question gets
+    # the same answer each time instead of a fresh draw.
+    cache_sampled: bool = False
+    # Gateway: how long a lookup may take before the engine serves the request anyway.
+    cache_lookup_timeout_ms: float = 20.0
+    # Gateway: how long a store may take (in the background, after the answer is sent).
+    cache_store_timeout_ms: float = 1000.0
+    # Cache service: a fingerprint's entries are searched exactly up to this many, then
+    # through an HNSW graph.
+    cache_ann_from: int = 20_000
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in (0, 1], got {self.cache_threshold}")
+        for name in ("cache_ttl_s", "cache_max_entries", "cache_lookup_timeout_ms",
+                     "cache_store_timeout_ms", "cache_ann_from"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cache_tenant_quota < 0:
+            raise ValueError("cache_tenant_quota must be >= 0")

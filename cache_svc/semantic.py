@@ -1,0 +1,169 @@
+"""The semantic response cache: lookups and stores over the shared answer store.
+
+A lookup tries the exact tier (the whole canonical request) first, then the semantic
+tier: the nearest stored questions of the same fingerprint by cosine of their sentence
+embeddings, each above the threshold checked by the guard (guard.py) and for
+``max_tokens`` (an answer cut at "length" serves only the same max_tokens; a finished
+one only requests that allow as many tokens). The vector index follows the other
+replicas' writes through the store's change log and is rebuilt from Redis at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import numpy as np
+
+from cache_svc.answers import AnswerStore, Change
+from cache_svc.config import SemanticCacheConfig
+from cache_svc.embedder import SentenceBatcher
+from cache_svc.guard import conflict, facts
+from cache_svc.index import SemanticIndex
+from protos.epd_pb import bus_pb2
+from protos.epd_pb import inference_pb2 as pb
+from services.metrics import (
+    SEMANTIC_CACHE_ENTRIES,
+    SEMANTIC_CACHE_GUARD,
+    SEMANTIC_CACHE_LOOKUP_SECONDS,
+    SEMANTIC_CACHE_LOOKUPS,
+    SEMANTIC_CACHE_STORES,
+)
+
+log = logging.getLogger(__name__)
+_CANDIDATES = 8  # nearest questions checked per lookup
+
+
+def fits(answer: bus_pb2.CachedAnswer, max_tokens: int) -> bool:
+    """Whether a stored answer may serve a request allowing ``max_tokens`` tokens."""
+    longest = max((len(c.token_ids) for c in answer.choices), default=0)
+    cut = any(c.finish_reason == pb.FINISH_REASON_LENGTH for c in answer.choices)
+    return answer.max_tokens == max_tokens if cut else longest <= max_tokens
+
+
+class SemanticCache:
+    def __init__(self, store: AnswerStore, embed: SentenceBatcher, config: SemanticCacheConfig):
+        self.store, self.embed, self.config = store, embed, config
+        self.index = SemanticIndex(config.cache_ann_from)
+        self._follower: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Rebuild the index from Redis, then follow the change log (in the background;
+        with Redis down, both wait until it is back and lookups miss meanwhile)."""
+        ready = asyncio.Event()
+        self._follower = asyncio.create_task(self._follow(ready))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready.wait(), timeout=2)  # Redis down: serve (misses) anyway
+
+    async def _rebuild(self) -> str:
+        position = await self.store.log_position()
+        async for change in self.store.scan():
+            self.index.add(change.fingerprint, change.key, change.vector)
+        SEMANTIC_CACHE_ENTRIES.set(len(self.index))
+        log.info("semantic cache index rebuilt: %d entries", len(self.index))
+        return position
+
+    async def stop(self) -> None:
+        """Let the follower leave between reads (cancelling redis-py inside a blocking
+        XREAD can leave the task hanging), then close."""
+        self._stopping = True
+        if self._follower is not None:
+            limit = self.store.follow_block_ms / 1e3 + 2.0
+            done, _ = await asyncio.wait({self._follower}, timeout=limit)
+            if not done:
+                self._follower.cancel()
+        await self.store.close()
+
+    async def lookup(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
+        started = time.perf_counter()
+        try:
+            reply = await self._lookup(q)
+            SEMANTIC_CACHE_LOOKUPS.labels(f"hit_{reply.tier}" if reply.hit else "miss").inc()
+        except Exception as e:  # a cache that fails is a miss
+            log.warning("semantic cache lookup failed: %s", e)
+            SEMANTIC_CACHE_LOOKUPS.labels("error").inc()
+            reply = bus_pb2.CacheLookupReply()
+            reply.error.CopyFrom(bus_pb2.Error(code=bus_pb2.ERROR_CODE_UNAVAILABLE, message=str(e)))
+        SEMANTIC_CACHE_LOOKUP_SECONDS.observe(time.perf_counter() - started)
+        return reply
+
+    async def _lookup(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
+        key = await self.store.exact(q.exact_key)
+        if key is not None:
+            hit = await self._answer(key, q)
+            if hit is not None:
+                return bus_pb2.CacheLookupReply(hit=True, tier="exact", similarity=1.0, answer=hit)
+        if not q.text:
+            return bus_pb2.CacheLookupReply()
+        vec = await self.embed.embed(q.text)
+        found = self.index.search(q.fingerprint, vec, _CANDIDATES, self.config.cache_threshold)
+        entries = await self.store.entries([k for k, _ in found]) if found else []
+        mine = facts(q.text)
+        for (key, score), entry in zip(found, entries, strict=True):
+            if entry is None or entry.fingerprint != q.fingerprint:
+                self.index.remove(key)  # expired or evicted: the log may not have said yet
+                continue
+            why = conflict(facts(entry.question), mine)
+            if why is not None:
+                SEMANTIC_CACHE_GUARD.labels(why).inc()
+                continue
+            answer = bus_pb2.CachedAnswer.FromString(entry.answer)
+            if fits(answer, q.max_tokens):
+                return bus_pb2.CacheLookupReply(hit=True, tier="semantic", similarity=score,
+                                                answer=answer)  # fmt: skip
+        return bus_pb2.CacheLookupReply()
+
+    async def _answer(self, key: int, q: bus_pb2.CacheQuery) -> bus_pb2.CachedAnswer | None:
+        (entry,) = await self.store.entries([key])
+        if entry is None or entry.fingerprint != q.fingerprint:
+            return None
+        answer = bus_pb2.CachedAnswer.FromString(entry.answer)
+        return answer if fits(answer, q.max_tokens) else None
+
+    async def put(self, req: bus_pb2.CacheStoreRequest) -> bus_pb2.CacheStoreReply:
+        q, c = req.query, self.config
+        try:
+            vec = await self.embed.embed(q.text) if q.text else np.zeros(384, np.float32)
+            key = await self.store.put(q.fingerprint, q.exact_key, q.text, vec,
+                                       req.answer.SerializeToString(), q.tenant, c.cache_ttl_s)  # fmt: skip
+            if q.text:
+                self.index.add(q.fingerprint, key, vec)
+            await self.store.evict(c.cache_ttl_s, c.cache_max_entries, q.tenant,
+                                   c.cache_tenant_quota)  # fmt: skip
+        except Exception as e:
+            log.warning("semantic cache store failed: %s", e)
+            SEMANTIC_CACHE_STORES.labels("error").inc()
+            reply = bus_pb2.CacheStoreReply()
+            reply.error.CopyFrom(bus_pb2.Error(code=bus_pb2.ERROR_CODE_UNAVAILABLE, message=str(e)))
+            return reply
+        SEMANTIC_CACHE_STORES.labels("stored").inc()
+        SEMANTIC_CACHE_ENTRIES.set(len(self.index))
+        return bus_pb2.CacheStoreReply(stored=True)
+
+    async def _follow(self, ready: asyncio.Event) -> None:
+        """Rebuild, then apply the other replicas' changes within follow_block_ms."""
+        position = None
+        while not self._stopping:
+            try:
+                if position is None:
+                    position = await self._rebuild()
+                    ready.set()
+                position, changes = await self.store.follow(position)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("semantic cache change log unreachable: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            for change in changes:
+                self._apply(change)
+            SEMANTIC_CACHE_ENTRIES.set(len(self.index))
+
+    def _apply(self, change: Change) -> None:
+        if not change.added:
+            self.index.remove(change.key)
+        elif change.vector is not None and change.vector.any():
+            self.index.add(change.fingerprint, change.key, change.vector)

@@ -1,0 +1,184 @@
+"""Step 2 of the request path: the semantic response cache, seen from the gateway.
+
+The gateway decides what may be cached and under which fingerprint; the cache service
+(cache_svc/, over the bus, or in this process for ``epd serve all``) finds and stores
+answers. A request is looked up when it is greedy (or ``cache_sampled`` is on), asks for
+no logprobs and did not opt out; a lookup that takes longer than
+``cache_lookup_timeout_ms`` or fails is a miss, never an error. Only answers that
+finished (stop or length) are stored, in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from cache_svc.config import SemanticCacheConfig
+from gateway.events import TokenEvent
+from gateway.prepare import PreparedRequest
+from gateway.stream import OutputStream
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.bus.connection import Bus
+from services.metrics import GATEWAY_CACHE
+from services.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
+
+log = logging.getLogger(__name__)
+
+_REPLAY_CHUNK = 16  # tokens per streamed chunk of a cached answer
+_NOT_KEYED = ("max_tokens", "detokenize", "seed", "n")  # max_tokens: see cache_svc fits()
+
+
+class CacheClient(Protocol):
+    async def lookup(
+        self, query: bus_pb2.CacheQuery, timeout_s: float
+    ) -> bus_pb2.CacheLookupReply: ...
+    async def store(
+        self, req: bus_pb2.CacheStoreRequest, timeout_s: float
+    ) -> bus_pb2.CacheStoreReply: ...
+
+
+class BusCacheClient:
+    """The cache service over NATS (any replica of the queue group)."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+
+    async def lookup(self, query, timeout_s):
+        return await self.bus.request(
+            subjects.CACHE_LOOKUP, query, bus_pb2.CacheLookupReply, timeout_s
+        )
+
+    async def store(self, req, timeout_s):
+        return await self.bus.request(subjects.CACHE_STORE, req, bus_pb2.CacheStoreReply, timeout_s)
+
+
+class LocalCacheClient:
+    """A SemanticCache in this process (``epd serve all``)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    async def lookup(self, query, timeout_s):
+        return await asyncio.wait_for(self.cache.lookup(query), timeout_s)
+
+    async def store(self, req, timeout_s):
+        return await asyncio.wait_for(self.cache.put(req), timeout_s)
+
+
+class ResponseCache:
+    def __init__(self, client: CacheClient, config: SemanticCacheConfig, model_fingerprint: str):
+        self.client, self.config, self.model = client, config, model_fingerprint
+        self._tasks: set[asyncio.Task] = set()
+
+    def query(self, prep: PreparedRequest) -> bus_pb2.CacheQuery | None:
+        """The request as the cache sees it; None when it may not be cached."""
+        sp = prep.params
+        if prep.cache_mode == "bypass" or prep.cache_opt_out or sp.logprobs is not None:
+            return None
+        if not (sp.greedy or self.config.cache_sampled):
+            return None
+        text, context = _split(prep)
+        keyed = {k: v for k, v in dataclasses.asdict(sp).items() if k not in _NOT_KEYED}
+        fingerprint = _sha({"model": self.model, "chat": prep.messages is not None,
+                            "context": context, "images": [s.image_hash for s in prep.spans],
+                            "params": keyed, "tenant": prep.tenant})  # fmt: skip
+        exact = _sha({"fingerprint": fingerprint, "prompt": prep.prompt_token_ids})
+        return bus_pb2.CacheQuery(fingerprint=fingerprint, exact_key=exact, text=text,
+                                  max_tokens=sp.max_tokens or 0, tenant=prep.tenant)  # fmt: skip
+
+    async def lookup(self, prep: PreparedRequest) -> bus_pb2.CachedAnswer | None:
+        """The cached answer of a request, if any (sets ``prep.cache_status``)."""
+        query = self.query(prep) if prep.cache_mode != "no-cache" else None
+        if query is None:
+            GATEWAY_CACHE.labels("skipped").inc()
+            return None
+        try:
+            reply = await self.client.lookup(query, self.config.cache_lookup_timeout_ms / 1e3)
+        except Exception as e:  # slow or gone: the engine serves it
+            GATEWAY_CACHE.labels("unavailable").inc()
+            log.debug("cache lookup failed: %r", e)
+            return None
+        if reply.HasField("error") or not reply.hit:
+            GATEWAY_CACHE.labels("unavailable" if reply.HasField("error") else "miss").inc()
+            return None
+        GATEWAY_CACHE.labels(f"hit_{reply.tier}").inc()
+        prep.cache_status, prep.cache_similarity = f"hit-{reply.tier}", reply.similarity
+        return reply.answer
+
+    def store(self, prep: PreparedRequest, streams: list[OutputStream]) -> None:
+        """Store a finished answer in the background (nothing waits for it)."""
+        if prep.cache_mode in ("no-store", "bypass") or prep.cache_status != "miss":
+            return
+        if any(s.state.finish_reason not in ("stop", "length") for s in streams):
+            return
+        query = self.query(prep)
+        if query is None:
+            return
+        answer = bus_pb2.CachedAnswer(max_tokens=prep.params.max_tokens or 0)
+        for s in streams:
+            choice = answer.choices.add(index=s.index, token_ids=s.token_ids,
+                                        finish_reason=FINISH_TO_PROTO[s.state.finish_reason])  # fmt: skip
+            reason = s.state.stop_reason
+            if isinstance(reason, int):
+                choice.stop_token_id = reason
+            elif isinstance(reason, str):
+                choice.stop_string = reason
+        task = asyncio.create_task(
+            self._store(bus_pb2.CacheStoreRequest(query=query, answer=answer))
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _store(self, req: bus_pb2.CacheStoreRequest) -> None:
+        try:
+            await self.client.store(req, self.config.cache_store_timeout_ms / 1e3)
+        except Exception as e:
+            log.debug("cache store failed: %r", e)
+
+
+async def replay(answer: bus_pb2.CachedAnswer, prompt_len: int) -> AsyncIterator[TokenEvent]:
+    """A cached answer as the events a backend would send (a few tokens at a time)."""
+    for choice in answer.choices:
+        ids = list(choice.token_ids)
+        stop = (
+            choice.stop_token_id if choice.HasField("stop_token_id") else choice.stop_string or None
+        )
+        for start in range(0, max(len(ids), 1), _REPLAY_CHUNK):
+            last = start + _REPLAY_CHUNK >= len(ids)
+            yield TokenEvent(ids[start : start + _REPLAY_CHUNK], [],
+                             FINISH_FROM_PROTO[choice.finish_reason] if last else None,
+                             stop if last else None, prompt_len, choice.index)  # fmt: skip
+
+
+def _split(prep: PreparedRequest) -> tuple[str, list]:
+    """(the last user message's text, everything before it) of a chat; a completion's
+    prompt text and no context."""
+    if prep.messages is None:
+        return prep.prompt_text or "", []
+    *context, last = prep.messages
+    if last.get("role") != "user":
+        return "", [*context, _plain(last)]
+    return _text(last.get("content")), [_plain(m) for m in context]
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return " ".join(p.get("text", "") for p in content or [] if p.get("type") == "text")
+
+
+def _plain(message: dict) -> dict:
+    content = message.get("content")
+    if isinstance(content, list):
+        content = [p if p.get("type") == "text" else {"type": "image"} for p in content]
+    return {"role": message.get("role"), "content": content}
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()

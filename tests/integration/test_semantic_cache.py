@@ -1,0 +1,207 @@
+"""The semantic response cache over real NATS and Redis: a cache service, two fleet
+gateways sharing it, the official `openai` client. Exact and paraphrased questions hit;
+hard negatives and other fingerprints never do; the request header is honoured; a
+streamed hit is valid SSE; a restarted replica rebuilds its index."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import pytest_asyncio
+
+from cache_svc.config import SemanticCacheConfig
+from cache_svc.service import CacheService
+from protos.epd_pb import inference_pb2 as pb
+from services.config import EngineConfig
+from tests.integration.stack import service_config, start_disaggregated, start_gateway
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+ON = SemanticCacheConfig(cache_lookup_timeout_ms=2000)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(tmp_path_factory, nats_server, redis_server):
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.flushdb()
+    await client.aclose()
+    engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
+                          num_kv_blocks=256)  # fmt: skip
+    cache = CacheService(service_config(nats_server.url, redis_server.url, "cache-a"), ON)
+    await cache.start()
+    stack = await start_disaggregated(engine, nats_server.url, redis_server.url, "sc",
+                                      num_decode=1, cache=ON)  # fmt: skip
+    other = await start_gateway(engine, service_config(nats_server.url, redis_server.url,
+                                                       "gateway-sc2"), aggregated=False, cache=ON)  # fmt: skip
+    yield stack, other, cache
+    await other.stop()
+    await stack.stop()
+    await cache.stop()
+
+
+def client_of(gateway, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1",
+                              api_key="none", max_retries=0, **kw)  # fmt: skip
+
+
+async def ask(client, text: str, system: str | None = None, **kw):
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 8)
+    raw = await client.chat.completions.with_raw_response.create(
+        model="demo", messages=messages, **kw
+    )
+    return raw.headers.get("x-epd-cache"), raw.parse()
+
+
+async def test_exact_and_paraphrase_hits_are_shared_by_gateways(fleet):
+    stack, other, _ = fleet
+    a, b = client_of(stack.gateway), client_of(other)
+    adopted = stack.decodes[0].adopted
+    status, first = await ask(a, "What is the capital of France?")
+    assert status == "miss"
+    await asyncio.sleep(0.3)  # the store runs after the answer is sent
+    status, again = await ask(b, "What is the capital of France?")
+    assert status == "hit-exact"
+    assert again.choices[0].message.content == first.choices[0].message.content
+    raw = await b.chat.completions.with_raw_response.create(
+        model="demo", messages=[{"role": "user", "content": "What's France's capital city?"}],
+        temperature=0, max_tokens=8,
+    )  # fmt: skip
+    assert raw.headers["x-epd-cache"] == "hit-semantic"
+    assert 0.8 <= float(raw.headers["x-epd-cache-similarity"]) < 1.0
+    assert raw.parse().choices[0].message.content == first.choices[0].message.content
+    assert stack.decodes[0].adopted == adopted + 1  # one engine pass for three answers
+
+
+@pytest.mark.parametrize(
+    "stored,asked",
+    [("How many calories are in 3 eggs?", "How many calories are in 4 eggs?"),
+     ("Is raw chicken safe to eat?", "Is raw chicken not safe to eat?"),
+     ("What is the capital of North Carolina?", "What is the capital of South Carolina?"),
+     ("How do I convert USD to EUR?", "How do I convert EUR to USD?"),
+     ("How many grams are in a pound?", "How many grams are in a kilogram?"),
+     ("What are the pros of electric cars?", "What are the cons of electric cars?")],
+    ids=["number", "negation", "entity", "order", "unit", "opposite"],
+)  # fmt: skip
+async def test_hard_negatives_never_hit(fleet, stored, asked):
+    stack, _, _ = fleet
+    a = client_of(stack.gateway)
+    await ask(a, stored)
+    await asyncio.sleep(0.3)
+    assert (await ask(a, stored))[0] == "hit-exact"  # it was stored
+    assert (await ask(a, asked))[0] == "miss"
+
+
+async def test_other_fingerprints_never_hit(fleet, tmp_path):
+    stack, _, _ = fleet
+    a = client_of(stack.gateway)
+    q = "Which ocean is the largest on Earth?"
+    await ask(a, q)
+    await asyncio.sleep(0.3)
+    assert (await ask(a, q))[0] == "hit-exact"
+    assert (await ask(a, q, system="Answer in French."))[0] == "miss"
+    assert (await ask(a, q, extra_body={"top_k": 5}))[0] == "miss"
+    assert (await ask(a, q, user="someone-else"))[0] == "miss"
+    assert (await ask(a, q, stop=["zzz"]))[0] == "miss"
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"role": "user", "content": q}]  # fmt: skip
+    raw = await a.chat.completions.with_raw_response.create(model="demo", messages=history,
+                                                            temperature=0, max_tokens=8)  # fmt: skip
+    assert raw.headers["x-epd-cache"] == "miss"
+    sampled = await a.chat.completions.with_raw_response.create(
+        model="demo", messages=[{"role": "user", "content": q}], temperature=0.7, max_tokens=8
+    )
+    assert sampled.headers["x-epd-cache"] == "miss"  # sampled requests are not cached
+
+
+async def test_max_tokens_rules(fleet):
+    stack, _, _ = fleet
+    a = client_of(stack.gateway)
+    q = "Tell me about the history of the violin."
+    status, cut = await ask(a, q, max_tokens=4, extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "length"
+    await asyncio.sleep(0.3)
+    assert (await ask(a, q, max_tokens=4, extra_body={"ignore_eos": True}))[0] == "hit-exact"
+    # An answer cut at 4 tokens serves only max_tokens=4.
+    assert (await ask(a, q, max_tokens=6, extra_body={"ignore_eos": True}))[0] == "miss"
+
+
+async def test_request_header_modes(fleet):
+    stack, _, _ = fleet
+    q = "How do I fold a fitted sheet neatly?"
+    store_only = client_of(stack.gateway, default_headers={"x-epd-cache": "no-cache"})
+    bypass = client_of(stack.gateway, default_headers={"x-epd-cache": "bypass"})
+    no_store = client_of(stack.gateway, default_headers={"x-epd-cache": "no-store"})
+    plain = client_of(stack.gateway)
+    assert (await ask(no_store, q))[0] == "miss"
+    await asyncio.sleep(0.3)
+    assert (await ask(plain, q))[0] == "miss"  # no-store stored nothing (this one stores)
+    await asyncio.sleep(0.3)
+    assert (await ask(bypass, q))[0] == "miss"
+    assert (await ask(store_only, q))[0] == "miss"  # no-cache never reads
+    assert (await ask(plain, q))[0] == "hit-exact"
+    with pytest.raises(openai.BadRequestError):
+        await ask(client_of(stack.gateway, default_headers={"x-epd-cache": "sometimes"}), q)
+
+
+async def test_a_streamed_hit_is_well_formed_sse(fleet):
+    stack, _, _ = fleet
+    a = client_of(stack.gateway)
+    q = "Why is the sky blue during the day?"
+    _, full = await ask(a, q, max_tokens=24)
+    await asyncio.sleep(0.3)
+    raw = await a.chat.completions.with_raw_response.create(
+        model="demo", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    assert raw.headers["x-epd-cache"] == "hit-exact"
+    chunks = [c async for c in raw.parse()]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        full.choices[0].message.content
+    )
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+async def test_grpc_gets_the_cache_too(fleet):
+    stack, _, _ = fleet
+    msg = pb.ChatMessage(role="user", content="What is the boiling point of water at sea level?")
+    req = pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[msg]),
+                             sampling=pb.SamplingParams(temperature=0, max_tokens=6))  # fmt: skip
+    call = stack.stub.GenerateOnce(req)
+    assert dict(await call.initial_metadata())["x-epd-cache"] == "miss"
+    first = await call
+    await asyncio.sleep(0.3)
+    call = stack.stub.GenerateOnce(req)
+    assert dict(await call.initial_metadata())["x-epd-cache"] == "hit-exact"
+    assert (await call).token_ids == first.token_ids
+    req.cache_opt_out = True
+    call = stack.stub.GenerateOnce(req)
+    assert dict(await call.initial_metadata())["x-epd-cache"] == "miss"
+    assert (await call).token_ids == first.token_ids
+    call = stack.stub.Generate(req, metadata=(("x-epd-cache", "bypass"),))
+    assert [r async for r in call] and dict(await call.initial_metadata())["x-epd-cache"] == "miss"
+
+
+async def test_a_restarted_replica_rebuilds_its_index(fleet, nats_server, redis_server):
+    stack, _, cache = fleet
+    a = client_of(stack.gateway)
+    await ask(a, "How long should I rest a steak after cooking it?")
+    await asyncio.sleep(0.3)
+    await cache.stop()
+    fresh = CacheService(service_config(nats_server.url, redis_server.url, "cache-b"), ON)
+    await fresh.start()
+    try:
+        assert len(fresh.cache.index) >= 1
+        status, _ = await ask(a, "After cooking a steak, how long should it rest?")
+        assert status == "hit-semantic"
+    finally:
+        await fresh.stop()
