@@ -25,8 +25,11 @@ class SemanticCacheConfig(FromEnv):
     # Also cache requests that sample (temperature > 0): off, the same question gets
     # the same answer each time instead of a fresh draw.
     cache_sampled: bool = False
-    # Gateway: how long a lookup may take before the engine serves the request anyway.
-    cache_lookup_timeout_ms: float = 20.0
+    # Gateway: how long a lookup may take. The workers start beside it, so a miss waits
+    # only for the part of it that outlasts their first token; a slower lookup is a miss.
+    # (Embedding a question takes ~20-25 ms on one core of the development machine, more
+    # while the engine computes beside it.)
+    cache_lookup_timeout_ms: float = 250.0
     # Gateway: how long a store may take (in the background, after the answer is sent).
     cache_store_timeout_ms: float = 1000.0
     # Cache service: a fingerprint's entries are searched exactly up to this many, then

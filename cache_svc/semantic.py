@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 
 import numpy as np
@@ -34,6 +35,24 @@ from services.metrics import (
 
 log = logging.getLogger(__name__)
 _CANDIDATES = 8  # nearest questions checked per lookup
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_MAX_TEXT = 32_000
+
+
+def check_query(q: bus_pb2.CacheQuery) -> None:
+    """Nothing from the bus is used unchecked: ValueError naming the bad field."""
+    for name in ("fingerprint", "exact_key"):
+        if not _HEX64.fullmatch(getattr(q, name)):
+            raise ValueError(f"{name} must be 64 lowercase hex characters")
+    if len(q.text) > _MAX_TEXT or len(q.tenant) > 256 or q.max_tokens < 0:
+        raise ValueError("text, tenant or max_tokens out of bounds")
+
+
+def check_answer(answer: bus_pb2.CachedAnswer) -> None:
+    if not 0 < len(answer.choices) <= 256 or answer.max_tokens < 0:
+        raise ValueError("an answer needs 1..256 choices and max_tokens >= 0")
+    if any(len(c.token_ids) > 1 << 20 or min(c.token_ids, default=0) < 0 for c in answer.choices):
+        raise ValueError("answer token ids out of bounds")
 
 
 def fits(answer: bus_pb2.CachedAnswer, max_tokens: int) -> bool:
@@ -80,13 +99,14 @@ class SemanticCache:
     async def lookup(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
         started = time.perf_counter()
         try:
+            check_query(q)
             reply = await self._lookup(q)
             SEMANTIC_CACHE_LOOKUPS.labels(f"hit_{reply.tier}" if reply.hit else "miss").inc()
         except Exception as e:  # a cache that fails is a miss
             log.warning("semantic cache lookup failed: %s", e)
             SEMANTIC_CACHE_LOOKUPS.labels("error").inc()
             reply = bus_pb2.CacheLookupReply()
-            reply.error.CopyFrom(bus_pb2.Error(code=bus_pb2.ERROR_CODE_UNAVAILABLE, message=str(e)))
+            reply.error.CopyFrom(_error(e))
         SEMANTIC_CACHE_LOOKUP_SECONDS.observe(time.perf_counter() - started)
         return reply
 
@@ -126,6 +146,8 @@ class SemanticCache:
     async def put(self, req: bus_pb2.CacheStoreRequest) -> bus_pb2.CacheStoreReply:
         q, c = req.query, self.config
         try:
+            check_query(q)
+            check_answer(req.answer)
             vec = await self.embed.embed(q.text) if q.text else np.zeros(384, np.float32)
             key = await self.store.put(q.fingerprint, q.exact_key, q.text, vec,
                                        req.answer.SerializeToString(), q.tenant, c.cache_ttl_s)  # fmt: skip
@@ -137,7 +159,7 @@ class SemanticCache:
             log.warning("semantic cache store failed: %s", e)
             SEMANTIC_CACHE_STORES.labels("error").inc()
             reply = bus_pb2.CacheStoreReply()
-            reply.error.CopyFrom(bus_pb2.Error(code=bus_pb2.ERROR_CODE_UNAVAILABLE, message=str(e)))
+            reply.error.CopyFrom(_error(e))
             return reply
         SEMANTIC_CACHE_STORES.labels("stored").inc()
         SEMANTIC_CACHE_ENTRIES.set(len(self.index))
@@ -167,3 +189,9 @@ class SemanticCache:
             self.index.remove(change.key)
         elif change.vector is not None and change.vector.any():
             self.index.add(change.fingerprint, change.key, change.vector)
+
+
+def _error(e: Exception) -> bus_pb2.Error:
+    bad = isinstance(e, ValueError)
+    code = bus_pb2.ERROR_CODE_INVALID_ARGUMENT if bad else bus_pb2.ERROR_CODE_UNAVAILABLE
+    return bus_pb2.Error(code=code, message=str(e))

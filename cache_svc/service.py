@@ -12,6 +12,8 @@ import asyncio
 import logging
 import uuid
 
+import torch
+
 from cache_svc.answers import AnswerStore
 from cache_svc.config import SemanticCacheConfig
 from cache_svc.embedder import SentenceBatcher, SentenceEmbedder
@@ -30,6 +32,7 @@ async def open_cache(redis_url: str, config: SemanticCacheConfig) -> SemanticCac
     """A started SemanticCache (the model loads in a thread); ``epd serve all`` uses one
     in its own process."""
     embedder = await asyncio.to_thread(SentenceEmbedder)
+    await asyncio.to_thread(embedder, ["warm up"])  # the first pass is several times slower
     cache = SemanticCache(AnswerStore(redis_url), SentenceBatcher(embedder), config)
     await cache.start()
     return cache
@@ -47,6 +50,9 @@ class CacheService:
         self._stopped = False
 
     async def start(self) -> None:
+        # Lookups are one short sentence each (batched when concurrent): one thread, not
+        # a team that oversubscribes the cores the engine services share.
+        torch.set_num_threads(1)
         self.cache = await open_cache(self.config.redis_url, self.cache_config)
         self.bus = await connect_bus(self.config, self.instance_id)
         for subject, handler in ((subjects.CACHE_LOOKUP, self._on_lookup),

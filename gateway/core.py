@@ -7,6 +7,7 @@ same streams of deltas (one per choice of an n > 1 request), same aborts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ class GatewayCore:
         self.backend = backend
         self.config = config or GatewayConfig()
         self.cache = cache
+        self._aborts: set[asyncio.Task] = set()
         self.tokenizer = preparer.tokenizer
         self.info = preparer.info
         self.inflight = 0
@@ -75,11 +77,7 @@ class GatewayCore:
         self.inflight += 1
         start, first, outcome = time.perf_counter(), True, "error"
         streams = [OutputStream(prep, self.tokenizer, i) for i in range(prep.params.n)]
-        cached = await self.cache.lookup(prep) if self.cache is not None else None
-        workers = cached is None
-        events = (
-            self.backend.generate(prep) if workers else replay(cached, len(prep.prompt_token_ids))
-        )
+        events, workers = await self._source(prep)
         try:
             async for event in events:
                 stream = streams[event.index]
@@ -107,6 +105,51 @@ class GatewayCore:
             if workers and not all(s.finished for s in streams):
                 log.info("aborting request", extra={"request_id": prep.request_id})
                 await self.backend.abort(prep)
+
+    async def _source(self, prep: PreparedRequest) -> tuple[AsyncIterator[TokenEvent], bool]:
+        """The request's events, and whether the workers make them.
+
+        The workers start at once; the cache lookup runs beside them and decides before
+        anything is streamed. A hit replaces the workers' answer (their work is aborted);
+        a miss costs only the time the lookup outlasts the workers' first token
+        (docs/semantic-cache.md)."""
+        events = self.backend.generate(prep)
+        if self.cache is None:
+            return events, True
+        first = asyncio.ensure_future(anext(events))
+        try:
+            cached = await self.cache.lookup(prep)
+        except BaseException:
+            await _discard(first, events)
+            raise
+        if cached is None:
+            return _resume(first, events), True
+        await _discard(first, events)
+        task = asyncio.create_task(self.backend.abort(prep))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        return replay(cached, len(prep.prompt_token_ids)), False
+
+
+async def _resume(first: asyncio.Future, events: AsyncIterator[TokenEvent]):
+    """``events`` whose first item is already being fetched by ``first``."""
+    try:
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()
+
+
+async def _discard(first: asyncio.Future, events: AsyncIterator[TokenEvent]) -> None:
+    first.cancel()
+    with contextlib.suppress(BaseException):
+        await first
+    with contextlib.suppress(Exception):
+        await events.aclose()
 
 
 def _content_size(messages) -> int:

@@ -104,6 +104,8 @@ class ResponseCache:
             GATEWAY_CACHE.labels("unavailable").inc()
             log.debug("cache lookup failed: %r", e)
             return None
+        log.debug("cache lookup of %s: hit=%s tier=%s error=%s", prep.request_id, reply.hit,
+                  reply.tier, reply.error.message)  # fmt: skip
         if reply.HasField("error") or not reply.hit:
             GATEWAY_CACHE.labels("unavailable" if reply.HasField("error") else "miss").inc()
             return None

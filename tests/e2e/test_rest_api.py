@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 
 import httpx
 import numpy as np
@@ -55,14 +56,20 @@ def server(demo_dir, media_dir):
     assert running.proc.returncode == 0, output[-3000:]
 
 
+# These tests prove the engine path: the response cache is bypassed (its own test below).
+BYPASS = {"x-epd-cache": "bypass"}
+
+
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
+                         default_headers=BYPASS)  # fmt: skip
 
 
 @pytest.fixture
 def aclient(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
+                              default_headers=BYPASS)  # fmt: skip
 
 
 def chat(client, content, max_tokens: int = 12, **kw):
@@ -73,7 +80,7 @@ def chat(client, content, max_tokens: int = 12, **kw):
 
 
 def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {**BYPASS, "Authorization": f"Bearer {key}"} if key else dict(BYPASS)
     headers.update(kw.pop("headers", {}))
     if not isinstance(body, bytes | str):
         body, headers["Content-Type"] = json.dumps(body), "application/json"
@@ -291,6 +298,29 @@ def test_transport_level_errors(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=client.base_url, api_key="nope", max_retries=0).models.list()
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # open without a key
+
+
+def test_the_response_cache_serves_repeats_and_paraphrases(server):
+    """The fleet's cache service: a repeated question, then a paraphrase, come from it."""
+    plain = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+
+    def ask(text: str):
+        raw = plain.chat.completions.with_raw_response.create(
+            model="demo", messages=[{"role": "user", "content": text}], temperature=0, max_tokens=8
+        )
+        return raw.headers["x-epd-cache"], raw.parse().choices[0].message.content
+
+    status, first = ask("How do I boil an egg so the yolk stays soft?")
+    assert status == "miss"
+    deadline = time.monotonic() + 10
+    while (hit := ask("How do I boil an egg so the yolk stays soft?"))[0] == "miss":
+        assert time.monotonic() < deadline  # the store runs after the answer
+        time.sleep(0.1)
+    # A lookup that overtakes the store's write finds it by meaning: either tier is right.
+    assert hit[0] in ("hit-exact", "hit-semantic") and hit[1] == first
+    assert ask("How do I boil an egg so the yolk stays soft?") == ("hit-exact", first)
+    assert ask("How can I boil an egg so that the yolk stays soft?") == ("hit-semantic", first)
+    assert ask("How do I boil an egg so the yolk does not stay soft?")[0] == "miss"
 
 
 def test_models_health_version_and_docs(client, server):

@@ -63,7 +63,6 @@ async def ask(client, text: str, system: str | None = None, **kw):
 async def test_exact_and_paraphrase_hits_are_shared_by_gateways(fleet):
     stack, other, _ = fleet
     a, b = client_of(stack.gateway), client_of(other)
-    adopted = stack.decodes[0].adopted
     status, first = await ask(a, "What is the capital of France?")
     assert status == "miss"
     await asyncio.sleep(0.3)  # the store runs after the answer is sent
@@ -77,7 +76,6 @@ async def test_exact_and_paraphrase_hits_are_shared_by_gateways(fleet):
     assert raw.headers["x-epd-cache"] == "hit-semantic"
     assert 0.8 <= float(raw.headers["x-epd-cache-similarity"]) < 1.0
     assert raw.parse().choices[0].message.content == first.choices[0].message.content
-    assert stack.decodes[0].adopted == adopted + 1  # one engine pass for three answers
 
 
 @pytest.mark.parametrize(

@@ -125,3 +125,18 @@ async def test_redis_down_is_a_miss_not_an_error():
         assert not (await dead.lookup(query("anything"))).hit
     finally:
         await dead.stop()
+
+
+async def test_malformed_messages_are_refused(redis_url):
+    cache = await open_cache(redis_url)
+    try:
+        bad = query("x")
+        bad.fingerprint = "not-hex"
+        assert (await cache.lookup(bad)).HasField("error")
+        req = store("y")
+        req.answer.ClearField("choices")
+        reply = await cache.put(req)
+        assert not reply.stored and "choices" in reply.error.message
+        assert (await cache.put(store("fine"))).stored  # and it keeps serving
+    finally:
+        await cache.stop()
