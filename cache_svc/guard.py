@@ -13,7 +13,7 @@ not", pros / cons). Two questions may share an answer only if they agree on:
 - opposites: words from the two sides of one pair of opposites (pros / cons, before /
   after, toxic / safe...), synonyms sharing a side.
 
-Pure string work on the two questions, microseconds a pair (bench/semantic_cache.py).
+Pure string work on the two questions, about 0.2 ms a pair (bench/semantic_cache.py).
 """
 
 from __future__ import annotations

@@ -97,17 +97,20 @@ class SemanticCache:
         await self.store.close()
 
     async def lookup(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
+        """The reply to a gateway; metrics count requests, so an exact-only lookup that
+        misses (the gateway's full lookup follows) is not counted."""
         started = time.perf_counter()
         try:
             check_query(q)
             reply = await self._lookup(q)
-            SEMANTIC_CACHE_LOOKUPS.labels(f"hit_{reply.tier}" if reply.hit else "miss").inc()
+            result = f"hit_{reply.tier}" if reply.hit else "miss"
         except Exception as e:  # a cache that fails is a miss
             log.warning("semantic cache lookup failed: %s", e)
-            SEMANTIC_CACHE_LOOKUPS.labels("error").inc()
-            reply = bus_pb2.CacheLookupReply()
+            reply, result = bus_pb2.CacheLookupReply(), "error"
             reply.error.CopyFrom(_error(e))
-        SEMANTIC_CACHE_LOOKUP_SECONDS.observe(time.perf_counter() - started)
+        if not q.exact_only or reply.hit:
+            SEMANTIC_CACHE_LOOKUPS.labels(result).inc()
+            SEMANTIC_CACHE_LOOKUP_SECONDS.observe(time.perf_counter() - started)
         return reply
 
     async def _lookup(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
@@ -116,7 +119,7 @@ class SemanticCache:
             hit = await self._answer(key, q)
             if hit is not None:
                 return bus_pb2.CacheLookupReply(hit=True, tier="exact", similarity=1.0, answer=hit)
-        if not q.text:
+        if not q.text or q.exact_only:
             return bus_pb2.CacheLookupReply()
         vec = await self.embed.embed(q.text)
         found = self.index.search(q.fingerprint, vec, _CANDIDATES, self.config.cache_threshold)

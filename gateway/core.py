@@ -18,7 +18,7 @@ from gateway.events import BackendError, TokenEvent
 from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.response_cache import ResponseCache, replay
 from gateway.stream import Delta, OutputStream
-from services.metrics import REQUESTS, TTFT
+from services.metrics import GATEWAY_CACHE, REQUESTS, TTFT
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +109,26 @@ class GatewayCore:
     async def _source(self, prep: PreparedRequest) -> tuple[AsyncIterator[TokenEvent], bool]:
         """The request's events, and whether the workers make them.
 
-        The workers start at once; the cache lookup runs beside them and decides before
-        anything is streamed. A hit replaces the workers' answer (their work is aborted);
-        a miss costs only the time the lookup outlasts the workers' first token
-        (docs/semantic-cache.md)."""
+        The exact tier is asked first (one Redis read, at most 30 ms): its hit costs the
+        workers nothing. Past it the workers start and the semantic lookup runs beside
+        them, deciding before anything is streamed: a hit replaces the workers' answer
+        (their work is aborted); a miss costs only the time the lookup outlasts the
+        workers' first token (docs/semantic-cache.md)."""
+        query = self.cache.query(prep) if self.cache is not None else None
+        if query is None:
+            if self.cache is not None:
+                GATEWAY_CACHE.labels("skipped").inc()
+            return self.backend.generate(prep), True
+        cached = await self.cache.lookup(prep, query, exact_only=True)
+        if cached is not None:
+            return replay(cached, len(prep.prompt_token_ids)), False
         events = self.backend.generate(prep)
-        if self.cache is None:
+        if not query.text:  # nothing to compare by meaning
+            GATEWAY_CACHE.labels("miss").inc()
             return events, True
         first = asyncio.ensure_future(anext(events))
         try:
-            cached = await self.cache.lookup(prep)
+            cached = await self.cache.lookup(prep, query, exact_only=False)
         except BaseException:
             await _discard(first, events)
             raise

@@ -31,7 +31,10 @@ from services.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
 log = logging.getLogger(__name__)
 
 _REPLAY_CHUNK = 16  # tokens per streamed chunk of a cached answer
-_NOT_KEYED = ("max_tokens", "detokenize", "seed", "n")  # max_tokens: see cache_svc fits()
+# The exact-only lookup runs before the workers start; one Redis read answers it in a
+# millisecond or two, so past this the workers start and the full lookup races them.
+_EXACT_TIMEOUT_S = 0.03
+_NOT_KEYED = ("max_tokens", "detokenize", "seed")  # max_tokens: see cache_svc fits()
 
 
 class CacheClient(Protocol):
@@ -76,10 +79,13 @@ class ResponseCache:
         self.client, self.config, self.model = client, config, model_fingerprint
         self._tasks: set[asyncio.Task] = set()
 
-    def query(self, prep: PreparedRequest) -> bus_pb2.CacheQuery | None:
-        """The request as the cache sees it; None when it may not be cached."""
+    def query(self, prep: PreparedRequest, reading: bool = True) -> bus_pb2.CacheQuery | None:
+        """The request as the cache sees it; None when it may not be cached (``reading``:
+        looked up; a no-cache request is only stored)."""
         sp = prep.params
         if prep.cache_mode == "bypass" or prep.cache_opt_out or sp.logprobs is not None:
+            return None
+        if reading and prep.cache_mode == "no-cache":
             return None
         if not (sp.greedy or self.config.cache_sampled):
             return None
@@ -92,22 +98,25 @@ class ResponseCache:
         return bus_pb2.CacheQuery(fingerprint=fingerprint, exact_key=exact, text=text,
                                   max_tokens=sp.max_tokens or 0, tenant=prep.tenant)  # fmt: skip
 
-    async def lookup(self, prep: PreparedRequest) -> bus_pb2.CachedAnswer | None:
-        """The cached answer of a request, if any (sets ``prep.cache_status``)."""
-        query = self.query(prep) if prep.cache_mode != "no-cache" else None
-        if query is None:
-            GATEWAY_CACHE.labels("skipped").inc()
-            return None
+    async def lookup(self, prep: PreparedRequest, query_of: bus_pb2.CacheQuery,
+                     exact_only: bool) -> bus_pb2.CachedAnswer | None:  # fmt: skip
+        """The cached answer of a request, if any (sets ``prep.cache_status``). An
+        exact-only lookup counts only its hits: the full one follows a miss."""
+        query = bus_pb2.CacheQuery(exact_only=exact_only)
+        query.MergeFrom(query_of)
+        timeout_s = self.config.cache_lookup_timeout_ms / 1e3
+        if exact_only:  # it holds the workers back: a slow cache must not
+            timeout_s = min(timeout_s, _EXACT_TIMEOUT_S)
         try:
-            reply = await self.client.lookup(query, self.config.cache_lookup_timeout_ms / 1e3)
+            reply = await self.client.lookup(query, timeout_s)
         except Exception as e:  # slow or gone: the engine serves it
-            GATEWAY_CACHE.labels("unavailable").inc()
+            if not exact_only:
+                GATEWAY_CACHE.labels("unavailable").inc()
             log.debug("cache lookup failed: %r", e)
             return None
-        log.debug("cache lookup of %s: hit=%s tier=%s error=%s", prep.request_id, reply.hit,
-                  reply.tier, reply.error.message)  # fmt: skip
         if reply.HasField("error") or not reply.hit:
-            GATEWAY_CACHE.labels("unavailable" if reply.HasField("error") else "miss").inc()
+            if not exact_only:
+                GATEWAY_CACHE.labels("unavailable" if reply.HasField("error") else "miss").inc()
             return None
         GATEWAY_CACHE.labels(f"hit_{reply.tier}").inc()
         prep.cache_status, prep.cache_similarity = f"hit-{reply.tier}", reply.similarity
@@ -119,7 +128,7 @@ class ResponseCache:
             return
         if any(s.state.finish_reason not in ("stop", "length") for s in streams):
             return
-        query = self.query(prep)
+        query = self.query(prep, reading=False)
         if query is None:
             return
         answer = bus_pb2.CachedAnswer(max_tokens=prep.params.max_tokens or 0)

@@ -343,18 +343,20 @@ class CachedAnswer(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[_Union[CachedChoice, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CacheQuery(_message.Message):
-    __slots__ = ("fingerprint", "exact_key", "text", "max_tokens", "tenant")
+    __slots__ = ("fingerprint", "exact_key", "text", "max_tokens", "tenant", "exact_only")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXACT_KEY_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXACT_ONLY_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     exact_key: str
     text: str
     max_tokens: int
     tenant: str
-    def __init__(self, fingerprint: _Optional[str] = ..., exact_key: _Optional[str] = ..., text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    exact_only: bool
+    def __init__(self, fingerprint: _Optional[str] = ..., exact_key: _Optional[str] = ..., text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., exact_only: _Optional[bool] = ...) -> None: ...
 
 class CacheLookupReply(_message.Message):
     __slots__ = ("hit", "tier", "similarity", "answer", "error")

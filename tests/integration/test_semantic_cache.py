@@ -78,6 +78,28 @@ async def test_exact_and_paraphrase_hits_are_shared_by_gateways(fleet):
     assert raw.parse().choices[0].message.content == first.choices[0].message.content
 
 
+async def test_an_exact_hit_never_reaches_the_workers(fleet):
+    stack, _, _ = fleet
+    core = stack.gateway.core
+    generate, started = core.backend.generate, []
+
+    def counting(prep):  # the real backend, counted
+        started.append(prep.request_id)
+        return generate(prep)
+
+    core.backend.generate = counting
+    try:
+        a = client_of(stack.gateway)
+        assert (await ask(a, "Name a large mammal of the Arctic."))[0] == "miss"
+        await asyncio.sleep(0.3)
+        assert (await ask(a, "Name a large mammal of the Arctic."))[0] == "hit-exact"
+        assert len(started) == 1
+        assert (await ask(a, "Which big mammal lives in the Arctic?"))[0] == "hit-semantic"
+        assert len(started) == 2  # a semantic lookup races the workers
+    finally:
+        core.backend.generate = generate
+
+
 @pytest.mark.parametrize(
     "stored,asked",
     [("How many calories are in 3 eggs?", "How many calories are in 4 eggs?"),
@@ -129,6 +151,20 @@ async def test_max_tokens_rules(fleet):
     assert (await ask(a, q, max_tokens=4, extra_body={"ignore_eos": True}))[0] == "hit-exact"
     # An answer cut at 4 tokens serves only max_tokens=4.
     assert (await ask(a, q, max_tokens=6, extra_body={"ignore_eos": True}))[0] == "miss"
+
+
+async def test_n_is_part_of_the_key(fleet):
+    stack, _, _ = fleet
+    a = client_of(stack.gateway)
+    q = "Which planet has the most moons?"
+    assert (await ask(a, q))[0] == "miss"
+    await asyncio.sleep(0.3)
+    status, two = await ask(a, q, n=2)
+    assert status == "miss" and len(two.choices) == 2
+    await asyncio.sleep(0.3)
+    status, again = await ask(a, q, n=2)
+    assert status == "hit-exact"
+    assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]
 
 
 async def test_request_header_modes(fleet):
