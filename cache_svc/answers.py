@@ -132,12 +132,31 @@ class AnswerStore:
         return last[0][0].decode() if last else "0-0"
 
     async def scan(self):
-        """Every live entry as a Change (for an index rebuilt at start)."""
+        """Every live entry with a question as a Change (for an index rebuilt at start),
+        read a thousand at a time."""
+        names = []
         async for name in self.redis.scan_iter(match=f"{PREFIX}:e:*", count=1000):
-            fp, vec = await self.redis.hmget(name, "fp", "v")
-            if fp is not None and vec is not None and len(vec) == DIM * 4:
-                key = int(name.decode().rsplit(":", 1)[1])
-                yield Change(True, key, fp.decode(), np.frombuffer(vec, np.float32))
+            names.append(name)
+            if len(names) == 1000:
+                for change in await self._changes(names):
+                    yield change
+                names = []
+        for change in await self._changes(names):
+            yield change
+
+    async def _changes(self, names: list[bytes]) -> list[Change]:
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(name, "fp", "v")
+        changes = []
+        for name, (fp, vec) in zip(names, await pipe.execute() if names else [], strict=True):
+            key = name.decode().rsplit(":", 1)[1]
+            if fp is None or vec is None or len(vec) != DIM * 4 or not key.isdigit():
+                continue  # gone meanwhile, or not ours
+            vector = np.frombuffer(vec, np.float32)
+            if np.isfinite(vector).all() and vector.any():  # no question: exact tier only
+                changes.append(Change(True, int(key), fp.decode(), vector))
+        return changes
 
     async def follow(self, position: str) -> tuple[str, list[Change]]:
         """Changes after ``position`` (waits up to follow_block_ms); the new position."""

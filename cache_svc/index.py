@@ -6,6 +6,11 @@ A bucket is searched exactly (one matrix-vector product over unit vectors) while
 and through an HNSW graph (usearch, half-precision vectors) once it holds ``ann_from``
 entries: exact search over a million 384-dim vectors costs ~50 ms, the graph well
 under a millisecond.
+
+Building a graph costs ~1 ms an entry on one core of the development machine, so it never
+happens on the event loop: a bucket that reaches ``ann_from`` keeps being searched
+exactly while its graph is built in a thread (``snapshot`` / ``Graph`` / ``install``),
+and a rebuild at start fills a fresh index in a thread (``add_many``, all cores).
 """
 
 from __future__ import annotations
@@ -56,10 +61,15 @@ class _Exact:
         return [(self.keys[i], float(scores[i])) for i in top]
 
 
-class _Graph:
-    def __init__(self, exact: _Exact) -> None:
-        self.index = Index(ndim=DIM, metric="cos", dtype="f16")
-        self.index.add(np.array(exact.keys, np.uint64), exact.vectors[: len(exact)])
+class Graph:
+    """An HNSW graph of unit vectors (blocking to build: off the event loop)."""
+
+    def __init__(self, keys: list[int], vectors: np.ndarray) -> None:
+        # expansion_add 64 (usearch's default is 128): on 50k vectors drawn like MiniLM's,
+        # 0.6 instead of 0.9 ms an entry to build, and a stored question asked at cosine
+        # 0.85 is still found 99% of the time (bench/semantic_cache.py --only scale).
+        self.index = Index(ndim=DIM, metric="cos", dtype="f16", expansion_add=64)
+        self.add_many(keys, vectors)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -67,6 +77,11 @@ class _Graph:
     def add(self, key: int, vec: np.ndarray) -> None:
         if key not in self.index:
             self.index.add(key, vec)
+
+    def add_many(self, keys: list[int], vectors: np.ndarray) -> None:
+        new = [i for i, k in enumerate(keys) if k not in self.index]
+        if new:  # every core
+            self.index.add(np.array(keys, np.uint64)[new], vectors[new], threads=0)
 
     def remove(self, key: int) -> None:
         self.index.remove(key)
@@ -83,8 +98,9 @@ class SemanticIndex:
 
     def __init__(self, ann_from: int = 20_000):
         self.ann_from = ann_from
-        self._buckets: dict[str, _Exact | _Graph] = {}
+        self._buckets: dict[str, _Exact | Graph] = {}
         self._bucket_of: dict[int, str] = {}
+        self._growing: set[str] = set()  # buckets whose graph is being built
 
     def __len__(self) -> int:
         return len(self._bucket_of)
@@ -92,14 +108,57 @@ class SemanticIndex:
     def __contains__(self, key: int) -> bool:
         return key in self._bucket_of
 
-    def add(self, fingerprint: str, key: int, vec: np.ndarray) -> None:
+    def add(self, fingerprint: str, key: int, vec: np.ndarray) -> bool:
+        """Add one entry; True when its bucket is due a graph (``snapshot``, build it
+        off the loop, ``install``): it stays exact until then."""
         if key in self._bucket_of:
-            return
+            return False
         bucket = self._buckets.setdefault(fingerprint, _Exact())
         bucket.add(key, vec)
         self._bucket_of[key] = fingerprint
-        if isinstance(bucket, _Exact) and len(bucket) >= self.ann_from:
-            self._buckets[fingerprint] = _Graph(bucket)
+        due = isinstance(bucket, _Exact) and len(bucket) >= self.ann_from
+        if due and fingerprint not in self._growing:
+            self._growing.add(fingerprint)
+            return True
+        return False
+
+    def add_many(self, fingerprint: str, keys: list[int], vectors: np.ndarray) -> None:
+        """Add entries in bulk, building a bucket's graph at once when they take it past
+        ``ann_from``. Blocking: for an index the event loop does not use yet."""
+        fresh = [i for i, k in enumerate(keys) if k not in self._bucket_of]
+        keys, vectors = [keys[i] for i in fresh], vectors[fresh]
+        bucket = self._buckets.setdefault(fingerprint, _Exact())
+        if isinstance(bucket, _Exact) and len(bucket) + len(keys) >= self.ann_from:
+            n = len(bucket)
+            bucket = Graph(bucket.keys + keys, np.concatenate([bucket.vectors[:n], vectors]))
+            self._buckets[fingerprint] = bucket
+        elif isinstance(bucket, Graph):
+            bucket.add_many(keys, vectors)
+        else:
+            for key, vec in zip(keys, vectors, strict=True):
+                bucket.add(key, vec)
+        self._bucket_of.update(dict.fromkeys(keys, fingerprint))
+
+    def snapshot(self, fingerprint: str) -> tuple[list[int], np.ndarray]:
+        """The keys and vectors of an exact bucket (copies: a graph is built from them)."""
+        bucket = self._buckets.get(fingerprint)
+        if not isinstance(bucket, _Exact):
+            return [], np.zeros((0, DIM), np.float32)
+        return list(bucket.keys), bucket.vectors[: len(bucket)].copy()
+
+    def install(self, fingerprint: str, graph: Graph | None, snapshot: list[int]) -> None:
+        """Replace an exact bucket by ``graph`` (built from ``snapshot``), with what was
+        added and removed since; None: the build failed, the bucket stays exact."""
+        self._growing.discard(fingerprint)
+        bucket = self._buckets.get(fingerprint)
+        if graph is None or not isinstance(bucket, _Exact):
+            return
+        now, then = set(bucket.keys), set(snapshot)
+        for key in now - then:
+            graph.add(key, bucket.vectors[bucket.row[key]])
+        for key in then - now:
+            graph.remove(key)
+        self._buckets[fingerprint] = graph
 
     def remove(self, key: int) -> None:
         fingerprint = self._bucket_of.pop(key, None)

@@ -22,7 +22,7 @@ from cache_svc.answers import AnswerStore, Change
 from cache_svc.config import SemanticCacheConfig
 from cache_svc.embedder import SentenceBatcher
 from cache_svc.guard import conflict, facts
-from cache_svc.index import SemanticIndex
+from cache_svc.index import Graph, SemanticIndex
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
 from services.metrics import (
@@ -35,6 +35,7 @@ from services.metrics import (
 
 log = logging.getLogger(__name__)
 _CANDIDATES = 8  # nearest questions checked per lookup
+_REBUILD_BATCH = 50_000  # entries handed to the index-filling thread at once
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MAX_TEXT = 32_000
 
@@ -67,6 +68,7 @@ class SemanticCache:
         self.store, self.embed, self.config = store, embed, config
         self.index = SemanticIndex(config.cache_ann_from)
         self._follower: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # graph builds
         self._stopping = False
 
     async def start(self) -> None:
@@ -78,12 +80,45 @@ class SemanticCache:
             await asyncio.wait_for(ready.wait(), timeout=2)  # Redis down: serve (misses) anyway
 
     async def _rebuild(self) -> str:
+        """A fresh index from every entry in Redis, filled in a thread (lookups meanwhile
+        search the old one: at start, empty); returns where to follow the log from."""
         position = await self.store.log_position()
+        fresh, pending, count = SemanticIndex(self.config.cache_ann_from), {}, 0
+
+        def fill(batch: dict[str, tuple[list[int], list[np.ndarray]]]) -> None:
+            for fingerprint, (keys, vectors) in batch.items():
+                fresh.add_many(fingerprint, keys, np.stack(vectors))
+
         async for change in self.store.scan():
-            self.index.add(change.fingerprint, change.key, change.vector)
+            keys, vectors = pending.setdefault(change.fingerprint, ([], []))
+            keys.append(change.key)
+            vectors.append(change.vector)
+            count += 1
+            if count % _REBUILD_BATCH == 0:
+                await asyncio.to_thread(fill, pending)
+                pending = {}
+        await asyncio.to_thread(fill, pending)
+        self.index = fresh  # what was stored meanwhile is in the log after `position`
         SEMANTIC_CACHE_ENTRIES.set(len(self.index))
         log.info("semantic cache index rebuilt: %d entries", len(self.index))
         return position
+
+    def _add(self, fingerprint: str, key: int, vec: np.ndarray) -> None:
+        if self.index.add(fingerprint, key, vec):  # due a graph: built in a thread
+            task = asyncio.create_task(self._grow(self.index, fingerprint))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _grow(index: SemanticIndex, fingerprint: str) -> None:
+        keys, vectors = index.snapshot(fingerprint)
+        graph = None
+        try:
+            graph = await asyncio.to_thread(Graph, keys, vectors)
+        except Exception as e:  # it stays exact (slower), and tries again on the next add
+            log.warning("semantic cache graph build failed: %s", e)
+        finally:
+            index.install(fingerprint, graph, keys)
 
     async def stop(self) -> None:
         """Let the follower leave between reads (cancelling redis-py inside a blocking
@@ -155,7 +190,7 @@ class SemanticCache:
             key = await self.store.put(q.fingerprint, q.exact_key, q.text, vec,
                                        req.answer.SerializeToString(), q.tenant, c.cache_ttl_s)  # fmt: skip
             if q.text:
-                self.index.add(q.fingerprint, key, vec)
+                self._add(q.fingerprint, key, vec)
             await self.store.evict(c.cache_ttl_s, c.cache_max_entries, q.tenant,
                                    c.cache_tenant_quota)  # fmt: skip
         except Exception as e:
@@ -191,7 +226,7 @@ class SemanticCache:
         if not change.added:
             self.index.remove(change.key)
         elif change.vector is not None and change.vector.any():
-            self.index.add(change.fingerprint, change.key, change.vector)
+            self._add(change.fingerprint, change.key, change.vector)
 
 
 def _error(e: Exception) -> bus_pb2.Error:

@@ -79,6 +79,26 @@ async def test_replicas_follow_each_other_and_rebuild(redis_url):
         await b.stop()
 
 
+async def test_a_bucket_past_ann_from_becomes_a_graph_and_a_replica_rebuilds_it(redis_url):
+    a = await open_cache(redis_url, cache_ann_from=8)
+    try:
+        for i in range(12):
+            assert (await a.put(store(f"question {i}"))).stored
+        for _ in range(100):  # the graph is built in a thread
+            if type(a.index._buckets["a" * 64]).__name__ == "Graph":
+                break
+            await asyncio.sleep(0.02)
+        assert type(a.index._buckets["a" * 64]).__name__ == "Graph"
+        hit = await a.lookup(query("question 11#paraphrased"))
+        assert hit.hit and hit.tier == "semantic"
+        b = await open_cache(redis_url, cache_ann_from=8)  # rebuilt in bulk from Redis
+        assert len(b.index) == 12 and type(b.index._buckets["a" * 64]).__name__ == "Graph"
+        assert (await b.lookup(query("question 2#paraphrased"))).tier == "semantic"
+        await b.stop()
+    finally:
+        await a.stop()
+
+
 async def test_ttl_size_bound_and_tenant_quota(redis_url):
     cache = await open_cache(redis_url, cache_ttl_s=1, cache_max_entries=3, cache_tenant_quota=2)
     try:
