@@ -51,9 +51,10 @@ class Fleet:
         self.nats = start_nats(host=HOST)
         self.redis = start_redis(host=HOST, maxmemory="512mb")
 
-    def spawn(self, role: str, instance: str, log_level: str = "INFO") -> int:
-        """Start ``epd serve <role>``; returns its gRPC port (meaningful for gateways; the
-        REST port is ``http_ports[instance]``)."""
+    def spawn(self, role: str, instance: str, log_level: str = "INFO",
+              cpus: set[int] | None = None) -> int:  # fmt: skip
+        """Start ``epd serve <role>`` (on ``cpus`` only, if given); returns its gRPC port
+        (meaningful for gateways; the REST port is ``http_ports[instance]``)."""
         assert self.nats is not None and self.redis is not None, "start_servers() first"
         grpc_port = free_port(HOST)
         self.http_ports[instance] = free_port(HOST)
@@ -65,7 +66,9 @@ class Fleet:
         env = dict(os.environ, EPD_HOST=HOST, PYTHONUNBUFFERED="1")
         log = self.logdir / f"{instance}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+            pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=pin)  # fmt: skip
         self.children.append(Child(instance, proc, log))
         return grpc_port
 
