@@ -181,7 +181,7 @@ def scale(entries: int) -> None:
     tracemalloc.start()
     build = 0.0
     first = None
-    for start in range(0, entries, 50_000):  # as a replica rebuilds: 50,000 at a time
+    for start in range(0, entries, 50_000):  # a replica's rebuild (add_many, in bulk)
         vecs = draw(min(50_000, entries - start))
         first = vecs if first is None else first
         t0 = time.perf_counter()

@@ -35,7 +35,9 @@ from services.metrics import (
 
 log = logging.getLogger(__name__)
 _CANDIDATES = 8  # nearest questions checked per lookup
-_REBUILD_BATCH = 50_000  # entries handed to the index-filling thread at once
+# Entries handed to a graph-building thread at once: ~5-10 s of work here, so a stopping
+# service waits at most that long for a thread it cannot cancel.
+_BUILD_STEP = 5_000
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MAX_TEXT = 32_000
 
@@ -90,11 +92,13 @@ class SemanticCache:
                 fresh.add_many(fingerprint, keys, np.stack(vectors))
 
         async for change in self.store.scan():
+            if self._stopping:
+                break
             keys, vectors = pending.setdefault(change.fingerprint, ([], []))
             keys.append(change.key)
             vectors.append(change.vector)
             count += 1
-            if count % _REBUILD_BATCH == 0:
+            if count % _BUILD_STEP == 0:
                 await asyncio.to_thread(fill, pending)
                 pending = {}
         await asyncio.to_thread(fill, pending)
@@ -109,16 +113,22 @@ class SemanticCache:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    @staticmethod
-    async def _grow(index: SemanticIndex, fingerprint: str) -> None:
+    async def _grow(self, index: SemanticIndex, fingerprint: str) -> None:
+        """Build the graph of a bucket in steps, each in a thread; swap it in when whole
+        (a failure or a stop leaves the bucket exact; the next add tries again)."""
         keys, vectors = index.snapshot(fingerprint)
-        graph = None
+        graph, whole = Graph([], vectors[:0]), False
         try:
-            graph = await asyncio.to_thread(Graph, keys, vectors)
-        except Exception as e:  # it stays exact (slower), and tries again on the next add
+            for lo in range(0, len(keys), _BUILD_STEP):
+                if self._stopping:
+                    return
+                hi = lo + _BUILD_STEP
+                await asyncio.to_thread(graph.add_many, keys[lo:hi], vectors[lo:hi])
+            whole = True
+        except Exception as e:
             log.warning("semantic cache graph build failed: %s", e)
         finally:
-            index.install(fingerprint, graph, keys)
+            index.install(fingerprint, graph if whole else None, keys)
 
     async def stop(self) -> None:
         """Let the follower leave between reads (cancelling redis-py inside a blocking
