@@ -66,18 +66,15 @@ class CacheService:
         log.info("cache %s ready (%d entries)", self.instance_id, len(self.cache.index))
 
     async def _on_lookup(self, msg: Incoming) -> None:
-        query = msg.decode(bus_pb2.CacheQuery)
-        self.in_flight += 1
-        try:
-            await msg.respond(await self.cache.lookup(query))
-        finally:
-            self.in_flight -= 1
+        await self._answer(msg, msg.decode(bus_pb2.CacheQuery), self.cache.lookup)
 
     async def _on_store(self, msg: Incoming) -> None:
-        req = msg.decode(bus_pb2.CacheStoreRequest)
+        await self._answer(msg, msg.decode(bus_pb2.CacheStoreRequest), self.cache.put)
+
+    async def _answer(self, msg: Incoming, request, handle) -> None:
         self.in_flight += 1
         try:
-            await msg.respond(await self.cache.put(req))
+            await msg.respond(await handle(request))
         finally:
             self.in_flight -= 1
 
