@@ -60,31 +60,49 @@ class DecodeService(EngineService):
         await msg.respond(reply)
 
     async def _adopt(self, req: bus_pb2.DecodeRequest) -> bus_pb2.Error | None:
-        rid = req.request_id
+        """Reserve the KV blocks, then take the transfer, then continue the request. Any
+        refusal frees what was reserved and names its reason."""
+        rid, llm = req.request_id, self.engine.engine
+        try:
+            params = params_from_proto(req.sampling)
+            reserved = await self.engine.call(lambda: llm.reserve_import(rid, len(req.token_ids)))
+        except ValueError as e:
+            self.receiver.refuse(req.kv_transfer_id, str(e))
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        if not reserved:
+            self.receiver.refuse(req.kv_transfer_id, "no free KV blocks")
+            return error(bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
+                         f"decode {self.instance_id} has no room for {len(req.token_ids)} "
+                         "tokens of KV")  # fmt: skip
+        problem = await self._import(req, params)
+        if problem is not None:
+            await self.engine.call(lambda: llm.release_import(rid))
+        return problem
+
+    async def _import(self, req: bus_pb2.DecodeRequest, params) -> bus_pb2.Error | None:
+        rid, llm = req.request_id, self.engine.engine
         try:
             timeout = timeout_for(req.deadline_unix_ms, "KV receive", self.config.bus_timeout_s)
-            _, kv = await self.receiver.receive(req.kv_transfer_id, timeout)
-            params = params_from_proto(req.sampling)
+            header, kv = await self.receiver.receive(req.kv_transfer_id, timeout)
+            if (header.request_id, header.num_tokens) != (rid, len(req.token_ids)):
+                raise ValueError(f"KV of {header.request_id} ({header.num_tokens} tokens) does "
+                                 f"not belong to {rid} ({len(req.token_ids)} tokens)")  # fmt: skip
         except BusError as e:
             return error(bus_pb2.ERROR_CODE_UNAVAILABLE, f"KV transfer failed: {e}")
         except ValueError as e:
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         if rid in self.aborted:
             return error(bus_pb2.ERROR_CODE_ABORTED, f"request {rid} was aborted")
-        prompt = list(req.token_ids[: req.num_prompt_tokens])
         first_lp = None
         if req.HasField("first_logprobs") and params.logprobs is not None:
             first_lp = logprobs_from_proto(req.first_token_id, req.first_logprobs)
         self.routes[rid] = req
-        llm = self.engine.engine
         try:
-            await self.engine.call(
-                lambda: llm.import_request(rid, prompt, req.first_token_id, params, kv, first_lp)
-            )
-        except MemoryError as e:
-            self.routes.pop(rid, None)
-            return error(bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
+            await self.engine.call(lambda: llm.import_request(
+                rid, list(req.token_ids), req.num_prompt_tokens, req.first_token_id, params, kv,
+                first_lp,
+            ))  # fmt: skip
+        except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         self.adopted += 1

@@ -27,16 +27,17 @@ class HandOffError(Exception):
 
 
 def first_token_update(req: bus_pb2.PrefillRequest, out: RequestOutput) -> bus_pb2.TokenUpdate:
-    """The first token (or the failure) as the gateway expects it, offset 0."""
+    """The first new token (or the failure) as the gateway expects it: offset 0, or the
+    number of tokens the client already has when the request was migrated."""
     comp = out.outputs[0]
-    upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=comp.token_ids[:1], offset=0,
+    new = comp.token_ids_delta[:1]
+    offset = len(comp.token_ids) - len(comp.token_ids_delta)
+    upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=new, offset=offset,
                               num_cached_tokens=out.num_cached_tokens,
                               finish_reason=FINISH_TO_PROTO[comp.finish_reason])  # fmt: skip
-    if comp.logprobs and comp.token_ids:
+    if comp.logprobs and new:
         n = req.sampling.logprobs if req.sampling.HasField("logprobs") else 0
-        upd.logprobs.append(
-            logprobs_to_proto(logprobs_from_dict(comp.token_ids[0], comp.logprobs[0], n))
-        )
+        upd.logprobs.append(logprobs_to_proto(logprobs_from_dict(new[0], comp.logprobs[offset], n)))
     if isinstance(comp.stop_reason, int):
         upd.stop_token_id = comp.stop_reason
     if out.error:
@@ -60,7 +61,7 @@ class HandOff:
             log.warning(
                 "hand-off of %s to %s failed: %s", req.request_id, req.decode_instance_id, e
             )
-            fail = bus_pb2.TokenUpdate(request_id=req.request_id, offset=1,
+            fail = bus_pb2.TokenUpdate(request_id=req.request_id, offset=upd.offset + 1,
                                        finish_reason=FINISH_TO_PROTO["error"])  # fmt: skip
             fail.error.CopyFrom(error(code, f"hand-off to decode instance {req.decode_instance_id} "
                                             f"failed ({STATUS.get(code, 'UNAVAILABLE')}): {e}"))  # fmt: skip
@@ -69,30 +70,39 @@ class HandOff:
 
     async def _send(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
         """KV and DecodeRequest go out together: decode waits for the transfer itself, so
-        the hand-off costs one transfer, not a transfer plus a round trip."""
+        the hand-off costs one transfer, not a transfer plus a round trip. A decode
+        instance without room for the blocks refuses before it takes the transfer: the
+        send stops at once and the gateway routes the request elsewhere."""
         tid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         timeout = timeout_for(req.deadline_unix_ms, "KV transfer", self.timeout_s)
         adopt = asyncio.create_task(self.bus.request(
             subjects.decode(req.decode_instance_id), self._decode_request(req, upd, tid),
             bus_pb2.DecodeReply, timeout,
         ))  # fmt: skip
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        send = asyncio.create_task(self.sender.send(req.decode_instance_id, tid, req.request_id,
+                                                    kv, num_tokens, timeout))  # fmt: skip
         start = time.perf_counter()
         try:
-            nbytes = await self.sender.send(req.decode_instance_id, tid, req.request_id, kv,
-                                            len(req.prompt_token_ids), timeout)  # fmt: skip
+            done, _ = await asyncio.wait({adopt, send}, return_when=asyncio.FIRST_COMPLETED)
+            if adopt in done and send not in done and adopt.result().HasField("error"):
+                raise HandOffError(adopt.result().error)  # refused before the transfer
+            nbytes = await send
+            KV_BYTES_SENT.inc(nbytes)
+            KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
+            reply = await adopt
         except BaseException:
             adopt.cancel()
+            send.cancel()
             raise
-        KV_BYTES_SENT.inc(nbytes)
-        KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
-        reply = await adopt
         if reply.HasField("error"):
             raise HandOffError(reply.error)
 
     @staticmethod
     def _decode_request(req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, tid: str):
         dreq = bus_pb2.DecodeRequest(
-            request_id=req.request_id, gateway_id=req.gateway_id, token_ids=req.prompt_token_ids,
+            request_id=req.request_id, gateway_id=req.gateway_id,
+            token_ids=[*req.prompt_token_ids, *req.output_token_ids],
             num_prompt_tokens=len(req.prompt_token_ids), first_token_id=upd.token_ids[0],
             sampling=req.sampling, kv_transfer_id=tid, deadline_unix_ms=req.deadline_unix_ms,
             eos_token_ids=req.eos_token_ids, max_model_len=req.max_model_len,

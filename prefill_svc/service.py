@@ -71,9 +71,10 @@ class PrefillService(EngineService):
         self.routes[rid] = req
         llm = self.engine.engine
         try:
-            await self.engine.call(
-                lambda: llm.add_request(rid, prompt, params, image_embeds=embeds, export_kv=True)
-            )
+            await self.engine.call(lambda: llm.add_request(
+                rid, prompt, params, image_embeds=embeds, export_kv=True,
+                resume=list(req.output_token_ids),
+            ))  # fmt: skip
         except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
@@ -99,7 +100,9 @@ class PrefillService(EngineService):
             ):
                 raise ValueError(f"embedding of image {span.image_hash[:12]} is {emb.dtype} "
                                  f"{list(emb.shape)}, expected floats [{span.length}, {hidden}]")  # fmt: skip
-            out.append(emb)
+            # Cast here, per request: a peer's float64 tensor must not reach the batched
+            # forward, where it would fail every request in the step.
+            out.append(emb.to(llm.loaded.dtype))
         return out
 
     async def _pushed_embedding(self, req: bus_pb2.PrefillRequest, span):

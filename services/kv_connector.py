@@ -37,8 +37,10 @@ class NatsKVSender:
         self.bus = bus
 
     async def send(self, decode_id, transfer_id, request_id, kv, num_tokens, timeout_s) -> int:
-        """Send [2, layers, blocks, block, heads, dim] KV; returns the payload bytes."""
-        kv = kv.contiguous()
+        """Send [2, layers, blocks, block, heads, dim] KV; returns the payload bytes. The
+        engine exports KV to host memory (KVCachePool.read_blocks); a device tensor is
+        staged here as a fallback."""
+        kv = kv.cpu().contiguous()
         layout = bus_pb2.KvLayout(num_layers=kv.shape[1], num_kv_heads=kv.shape[4], head_dim=kv.shape[5],
                                   block_size=kv.shape[3], dtype=dtype_name(kv.dtype), shape=list(kv.shape))  # fmt: skip
         payload = kv.view(torch.uint8).reshape(-1).numpy()
@@ -62,6 +64,10 @@ class NatsKVReceiver:
 
     async def close(self) -> None:
         await self.chunks.close()
+
+    def refuse(self, transfer_id: str, reason: str) -> None:
+        """Stop a transfer this instance will not adopt (its sender gets an error)."""
+        self.chunks.refuse(transfer_id, reason)
 
     async def receive(self, transfer_id: str, timeout_s: float):
         got = await self.chunks.receive(transfer_id, timeout_s)

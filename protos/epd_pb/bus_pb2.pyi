@@ -119,7 +119,7 @@ class ImageSpan(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., embedding_ref: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "gateway_id", "decode_instance_id", "prompt_token_ids", "image_spans", "sampling", "deadline_unix_ms", "eos_token_ids", "max_model_len")
+    __slots__ = ("request_id", "gateway_id", "decode_instance_id", "prompt_token_ids", "image_spans", "sampling", "deadline_unix_ms", "eos_token_ids", "max_model_len", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class PrefillRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     gateway_id: str
     decode_instance_id: str
@@ -138,7 +139,8 @@ class PrefillRequest(_message.Message):
     deadline_unix_ms: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_model_len: int
-    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("request_id", "num_cached_tokens", "error")

@@ -128,6 +128,14 @@ class ChunkReceiver:
         self._unclaimed.pop(transfer_id, None)
         return fut.result()
 
+    def refuse(self, transfer_id: str, reason: str) -> None:
+        """Drop ``transfer_id`` (what arrived, and whatever comes later): its sender's
+        next frame is answered with an error and it stops."""
+        fut = self._results.get(transfer_id)
+        if fut is not None and fut.done():
+            del self._results[transfer_id]  # complete already: drop the payload
+        self._fail(transfer_id, TransferError(f"transfer {transfer_id} refused: {reason}"))
+
     async def _on_frame(self, msg: Incoming) -> None:
         held, self._held = self._held, None
         try:

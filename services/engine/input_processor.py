@@ -44,8 +44,7 @@ class InputProcessor:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise ValueError("prompt is empty")
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        self.check_ids(ids, "prompt")
         # Services that already hold the embeddings pass image hashes instead of images.
         hashes = prompt.get("image_hashes") if isinstance(prompt, dict) else None
         ids, spans, images = self._expand_images(list(ids), raw_images, hashes)
@@ -55,6 +54,12 @@ class InputProcessor:
                 f"model's context of {self.max_model_len} tokens"
             )
         return ProcessedPrompt(text, ids, images, spans)
+
+    def check_ids(self, ids: list, what: str) -> list[int]:
+        """``ids`` if every one is a token of this vocabulary, else ValueError."""
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"{what} token ids must be integers in [0, {self.vocab_size})")
+        return list(ids)
 
     @staticmethod
     def _unpack(prompt):

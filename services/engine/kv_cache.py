@@ -31,12 +31,20 @@ class KVCachePool:
         return cls(num_layers, int(budget_mb * MIB // per_block), block_size, num_kv_heads,
                    head_dim, dtype, device)  # fmt: skip
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[2, layers, len(block_ids), block_size, kv_heads, head_dim] copy (KV export)."""
+    def read_blocks(self, block_ids: list[int], to_host: bool = False) -> torch.Tensor:
+        """[2, layers, len(block_ids), block_size, kv_heads, head_dim] copy (KV export).
+
+        ``to_host``: the copy lands in CPU memory (pinned when the pool is on CUDA, so
+        the device-to-host copy runs at full speed), ready to be sent as bytes.
+        """
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data.index_select(2, idx)
+        blocks = self.data.index_select(2, idx)
+        if not to_host or blocks.device.type == "cpu":
+            return blocks
+        staged = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        return staged.copy_(blocks)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Inverse of ``read_blocks`` (KV import)."""
+        """Inverse of ``read_blocks`` (KV import); ``blocks`` may sit on the host."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(2, idx, blocks.to(self.data.dtype))
+        self.data.index_copy_(2, idx, blocks.to(self.data.device, self.data.dtype))

@@ -12,6 +12,7 @@ from services.config import EngineConfig
 from services.engine.block_manager import BlockManager
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_cache import KVCachePool
+from services.engine.kv_import import KVImports
 from services.engine.model_runner import ModelRunner, plain_greedy
 from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling, child_request_id
@@ -61,6 +62,7 @@ class LLMEngine:
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
         self._exports: set[str] = set()
         self._rng = random.Random(config.seed)
+        self.imports = KVImports(self)
 
     def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
         c, m = self.config, lm.model
@@ -73,7 +75,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     image_embeds: list[torch.Tensor] | None = None,
                     add_special_tokens: bool = True, export_kv: bool = False,
-                    final_only: bool = False) -> Request:  # fmt: skip
+                    final_only: bool = False, resume: list[int] | None = None) -> Request:  # fmt: skip
         """Validate and queue a request; raises ValueError naming the problem.
 
         ``final_only``: ``step`` returns this request's output once, when it finishes.
@@ -81,19 +83,25 @@ class LLMEngine:
         ``export_kv`` is the prefill role: the request stops after its first token and
         its output carries the prompt's KV blocks for a decode instance.
 
+        ``resume``: a migrated request's tokens generated so far (elsewhere): they count as
+        output (max_tokens, penalties, the (seed, position) of the next draw) and are not
+        sent again.
+
         ``params.n`` > 1 queues choice 0 now and its siblings once its prompt is computed
         (parallel_sampling.py); the returned Request is choice 0's.
         """
         params = params or SamplingParams()
         if request_id in self.states or request_id in self.parallel.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if params.n > 1 and export_kv:
+        if params.n > 1 and (export_kv or resume):
             raise ValueError("n > 1 is not served in the prefill role (one request per choice)")
         p = self.inputs.process(prompt, add_special_tokens)
-        self._check_budget(len(p.token_ids))
+        resume = self.inputs.check_ids(resume or [], "resumed output")
+        self._check_budget(len(p.token_ids) + len(resume))
         embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
         if params.n == 1:
-            return self._add(request_id, p, params, embeds, final_only, export_kv)
+            return self._add(request_id, p, params, embeds, final_only, export_kv,
+                             resume=resume)  # fmt: skip
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.parallel.add(request_id, params, base_seed, p.prompt, p.token_ids, final_only,
                           lambda cid, sp, i, front: self._add(cid, p, sp, embeds, final_only,
@@ -101,54 +109,38 @@ class LLMEngine:
         return self.scheduler.get_request(child_request_id(request_id, 0))
 
     def _add(self, request_id: str, p, params: SamplingParams, embeds, final_only: bool,
-             export_kv: bool = False, index: int = 0, front: bool = False) -> Request:  # fmt: skip
+             export_kv: bool = False, index: int = 0, front: bool = False,
+             resume: list[int] = ()) -> Request:  # fmt: skip
         req = Request(request_id, p.token_ids, params, self.eos_token_ids, p.spans,
                       time.monotonic(), self.max_model_len)  # fmt: skip
+        req.output_token_ids = list(resume)
         # The scheduler's checks may still reject it: nothing else may be touched before
         # (no state left behind, no draw from the shared seed stream).
         self.scheduler.add_request(req, front=front)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.runner.add_request(req, seed, embeds)
-        self.states[request_id] = RequestState(request_id, p.prompt, p.token_ids, params,
-                                               self.tokenizer, final_only, index)  # fmt: skip
+        state = RequestState(request_id, p.prompt, p.token_ids, params, self.tokenizer,
+                             final_only, index)  # fmt: skip
+        state.resume(list(resume))
+        self.states[request_id] = state
         if export_kv:
             self._exports.add(request_id)
         return req
 
-    def import_request(self, request_id: str, prompt_ids: list[int], first_token: int,
-                       params: SamplingParams, kv_blocks: torch.Tensor,
+    def import_request(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                       first_token: int, params: SamplingParams, kv_blocks: torch.Tensor,
                        first_logprobs: TokenLogprobs | None = None) -> Request:  # fmt: skip
-        """Decode role: continue a request whose prompt KV was computed elsewhere.
+        """Decode role: continue a request whose KV was computed elsewhere (kv_import.py)."""
+        return self.imports.adopt(request_id, token_ids, num_prompt_tokens, first_token, params,
+                                  kv_blocks, first_logprobs)  # fmt: skip
 
-        ``kv_blocks`` is [2, layers, n, block_size, kv_heads, head_dim] as exported by a
-        prefill instance; ``first_token`` was sampled there.
-        """
-        if request_id in self.states:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if params.n > 1:
-            raise ValueError("n > 1 is not served in the decode role (one request per choice)")
-        expected = (2, self.loaded.num_layers, -(-len(prompt_ids) // self.config.block_size),
-                    self.config.block_size, self.model.num_kv_heads, self.model.head_dim)  # fmt: skip
-        if tuple(kv_blocks.shape) != expected:
-            raise ValueError(f"KV blocks of shape {tuple(kv_blocks.shape)}, expected {expected}")
-        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids, [],
-                      time.monotonic(), self.max_model_len)  # fmt: skip
-        req.output_token_ids.append(int(first_token))
-        if self.block_manager.allocate_for_import(req, len(prompt_ids)) is None:
-            raise MemoryError("no free KV blocks for the imported request")
-        self.kv.write_blocks(req.block_ids, kv_blocks)
-        req.num_computed_tokens = len(prompt_ids)
-        try:
-            self.scheduler.add_request(req)
-        except ValueError:
-            self.block_manager.free(req)
-            raise
-        state = RequestState(request_id, None, list(prompt_ids), params, self.tokenizer)
-        state.append(int(first_token), first_logprobs)
-        state.sent_tokens = 1
-        self.states[request_id] = state
-        self.runner.add_request(req, params.seed if params.seed is not None else 0, [])
-        return req
+    def reserve_import(self, request_id: str, num_tokens: int) -> bool:
+        """Decode role: blocks for incoming KV, before the transfer is accepted."""
+        return self.imports.reserve(request_id, num_tokens)
+
+    def release_import(self, request_id: str) -> None:
+        """Decode role: give back a reservation whose KV will not come."""
+        self.imports.release(request_id)
 
     def _check_budget(self, n: int) -> None:
         c = self.config
@@ -174,6 +166,7 @@ class LLMEngine:
         return out if out is not None else self._abort_one(request_id)
 
     def _abort_one(self, request_id: str) -> RequestOutput | None:
+        self.imports.release(request_id)
         req = self.scheduler.abort_request(request_id)
         state = self.states.pop(request_id, None)
         self.runner.drop_request(request_id)
@@ -193,12 +186,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self.parallel.pending)
 
     def _export_kv(self, sampled: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Copy the prompt KV of prefill-role requests before their blocks are freed."""
+        """Copy to host the KV of prefill-role requests (every token known before this
+        step's sample: the prompt, and a migrated request's earlier output) before their
+        blocks are freed."""
         out = {}
         for rid in self._exports.intersection(sampled):
             req = self.scheduler.get_request(rid)
-            n = -(-req.num_prompt_tokens // self.config.block_size)
-            out[rid] = self.kv.read_blocks(req.block_ids[:n])
+            n = -(-req.num_tokens // self.config.block_size)
+            out[rid] = self.kv.read_blocks(req.block_ids[:n], to_host=True)
             self._exports.discard(rid)
         return out
 

@@ -53,6 +53,17 @@ class RequestState:
             return None
         return self._find_stop(old)
 
+    def resume(self, tokens: list[int]) -> None:
+        """A migrated request: the tokens its client already has, already sent. Their
+        logprobs went out with them; empty entries keep positions aligned."""
+        for token in tokens:
+            self.token_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append({})
+            if self.detok is not None and not self.lazy_text:
+                self.text += self.detok.add([token])
+        self.sent_tokens, self.sent_chars = len(self.token_ids), len(self.text)
+
     def _find_stop(self, old_len: int) -> str | None:
         longest = max(len(s) for s in self.params.stop)
         start = max(0, old_len - longest + 1)

@@ -107,7 +107,7 @@ def test_prefill_export_then_decode_import_matches_aggregated(ckpt):
     assert prefill.block_manager.num_free_blocks == 128
     for i, p in enumerate(PROMPTS):
         first, kv = handoff[f"r{i}"]
-        decode.import_request(f"r{i}", p, first, params, kv)
+        decode.import_request(f"r{i}", p, len(p), first, params, kv)
     done = {}
     while decode.has_unfinished_requests():
         for out in decode.step():

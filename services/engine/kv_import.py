@@ -1,0 +1,102 @@
+"""Decode role: requests whose KV was computed elsewhere (a prefill instance).
+
+Blocks are reserved **before** the transfer is accepted (``reserve``), so a decode
+instance without room refuses at once and the router picks another one instead of
+receiving megabytes it cannot place; ``adopt`` then fills the reserved blocks. Any
+failure in between gives the blocks back (``release``): nothing leaks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.engine.output_processor import RequestState
+from services.engine.request import Request
+from services.outputs import TokenLogprobs
+from services.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.llm_engine import LLMEngine
+
+
+class KVImports:
+    """Reservations and adoptions of imported requests; engine thread only."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        # request id -> a placeholder Request holding the reserved blocks
+        self.reserved: dict[str, Request] = {}
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Take blocks for ``num_tokens`` tokens of incoming KV; False when there is no room."""
+        eng = self.engine
+        if request_id in eng.states or request_id in self.reserved:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not 0 < num_tokens < eng.max_model_len:
+            raise ValueError(f"{num_tokens} tokens of KV; the context holds {eng.max_model_len}")
+        holder = Request(request_id, [], SamplingParams())
+        if eng.block_manager.allocate_for_import(holder, num_tokens) is None:
+            return False
+        self.reserved[request_id] = holder
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Give back a reservation that will not be adopted (no-op when there is none)."""
+        holder = self.reserved.pop(request_id, None)
+        if holder is not None:
+            self.engine.block_manager.free(holder)
+
+    def adopt(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+              first_token: int, params: SamplingParams, kv_blocks: torch.Tensor,
+              first_logprobs: TokenLogprobs | None = None) -> Request:  # fmt: skip
+        """Continue a request: ``token_ids`` (prompt, then tokens generated before a
+        migration) have their KV in ``kv_blocks`` [2, layers, n, block_size, kv_heads,
+        head_dim]; ``first_token`` was sampled after them. Reserves first when
+        ``reserve`` was not called (MemoryError without room)."""
+        eng = self.engine
+        if params.n > 1:
+            raise ValueError("n > 1 is not served in the decode role (one request per choice)")
+        if not 0 < num_prompt_tokens <= len(token_ids):
+            raise ValueError(f"num_prompt_tokens {num_prompt_tokens} of {len(token_ids)} tokens")
+        eng.inputs.check_ids([*token_ids, first_token], "imported")
+        if request_id not in self.reserved and not self.reserve(request_id, len(token_ids)):
+            raise MemoryError("no free KV blocks for the imported request")
+        holder = self.reserved.pop(request_id)
+        try:
+            return self._adopt(holder, token_ids, num_prompt_tokens, first_token, params,
+                               kv_blocks, first_logprobs)  # fmt: skip
+        except BaseException:
+            eng.block_manager.free(holder)
+            raise
+
+    def _adopt(self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks,
+               first_logprobs) -> Request:  # fmt: skip
+        eng, bs = self.engine, self.engine.config.block_size
+        expected = (2, eng.loaded.num_layers, len(holder.block_ids), bs,
+                    eng.model.num_kv_heads, eng.model.head_dim)  # fmt: skip
+        if -(-len(token_ids) // bs) != len(holder.block_ids):
+            raise ValueError(f"{len(token_ids)} tokens do not fit the reserved blocks")
+        if tuple(kv_blocks.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(kv_blocks.shape)}, expected {expected}")
+        rid = holder.request_id
+        req = Request(rid, list(token_ids[:num_prompt]), params, eng.eos_token_ids, [],
+                      time.monotonic(), eng.max_model_len)  # fmt: skip
+        req.output_token_ids = [*token_ids[num_prompt:], int(first_token)]
+        eng.kv.write_blocks(holder.block_ids, kv_blocks)
+        req.block_ids, holder.block_ids = holder.block_ids, []
+        req.num_computed_tokens = len(token_ids)
+        try:
+            eng.scheduler.add_request(req)
+        except ValueError:
+            eng.block_manager.free(req)
+            raise
+        state = RequestState(rid, None, list(token_ids[:num_prompt]), params, eng.tokenizer)
+        state.resume(token_ids[num_prompt:])
+        state.append(int(first_token), first_logprobs)
+        state.sent_tokens = len(state.token_ids)
+        eng.states[rid] = state
+        eng.runner.add_request(req, params.seed if params.seed is not None else 0, [])
+        return req
