@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from cache_svc.index import DIM
+from services.redis_client import redis_client
 
 PREFIX = "epd:sc"
 LOG = f"{PREFIX}:log"
@@ -60,11 +60,9 @@ class AnswerStore:
     def __init__(self, url: str, op_timeout_s: float = 0.5, follow_block_ms: int = 500):
         self.follow_block_ms = follow_block_ms
         kw = dict(socket_connect_timeout=op_timeout_s, retry=Retry(NoBackoff(), 0))
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=op_timeout_s, **kw)
+        self.redis = redis_client(url, socket_timeout=op_timeout_s, **kw)
         # The follower blocks on the stream: its own connection, a longer timeout.
-        self.feed = aioredis.Redis.from_url(
-            url, socket_timeout=op_timeout_s + follow_block_ms / 1e3, **kw
-        )
+        self.feed = redis_client(url, socket_timeout=op_timeout_s + follow_block_ms / 1e3, **kw)
 
     async def close(self) -> None:
         for client in (self.redis, self.feed):

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from cache_svc.keys import embedding_key
 from services.bus.codec import DTYPES, MAX_NDIM, tensor_from_bytes, tensor_to_bytes
+from services.redis_client import check_redis_url, redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ def unpack_embedding(value: bytes) -> torch.Tensor:
 class EmbeddingStoreConfig:
     """Embedding cache settings. Validated at construction."""
 
-    # Redis URL, e.g. redis://127.0.0.1:6379/0.
+    # Redis URL, e.g. redis://127.0.0.1:6379/0; with a password, TLS or Sentinel as
+    # services/redis_client.py describes.
     url: str = "redis://127.0.0.1:6379/0"
     # Limit on every Redis call, connect included.
     op_timeout_s: float = 0.25
@@ -79,8 +81,7 @@ class EmbeddingStoreConfig:
     ttl_s: int = 24 * 3600
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url must be a redis:// URL, got {self.url!r}")
+        check_redis_url(self.url)  # its message masks the password
         if self.op_timeout_s <= 0 or self.backoff_s < 0 or self.ttl_s <= 0:
             raise ValueError("op_timeout_s and ttl_s must be > 0, backoff_s >= 0")
 
@@ -97,7 +98,7 @@ class EmbeddingStore:
     @classmethod
     def from_config(cls, config: EmbeddingStoreConfig) -> EmbeddingStore:
         """Build a store with a client whose sockets time out like the store's calls."""
-        client = aioredis.Redis.from_url(
+        client = redis_client(
             config.url,
             socket_timeout=config.op_timeout_s,
             socket_connect_timeout=config.op_timeout_s,

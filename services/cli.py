@@ -32,6 +32,13 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=None)
     g.add_argument("--instance-id", default=None)
     g.add_argument("--grpc-port", type=int, default=None)
+    t = p.add_argument_group("credentials and TLS (docs/security.md); user:password or a token "
+                             "go in --nats-url / --redis-url")  # fmt: skip
+    t.add_argument("--nats-creds", default=None, help="NATS .creds file (user JWT + nkey seed)")
+    t.add_argument("--nats-nkey-seed", default=None, help="file holding a NATS user nkey seed")
+    t.add_argument("--nats-tls-ca", default=None, help="PEM CA of the NATS server certificate")
+    t.add_argument("--nats-tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    t.add_argument("--nats-tls-key", default=None, help="PEM key of --nats-tls-cert")
     a = p.add_argument_group("gateway (gateway, all, up)")
     a.add_argument("--http-port", type=int, default=None, help="OpenAI REST port (default 8000)")
     a.add_argument("--api-key", action="append", default=None,
@@ -62,7 +69,8 @@ def engine_config(args):
 def service_config(args):
     from services.config import ServiceConfig
 
-    keys = ("nats_url", "redis_url", "instance_id", "grpc_port")
+    keys = ("nats_url", "redis_url", "instance_id", "grpc_port", "nats_creds", "nats_nkey_seed",
+            "nats_tls_ca", "nats_tls_cert", "nats_tls_key")  # fmt: skip
     return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 

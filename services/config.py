@@ -12,6 +12,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.bus.auth import NatsAuth, take_url_credentials
+from services.redis_client import check_redis_url
+from services.urls import redact
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -172,8 +176,41 @@ class ServiceConfig(FromEnv):
     # Largest payload an instance accepts as a blob (an image sent to an encoder, an
     # embedding sent to prefill), in MiB: what one receive may buffer.
     max_blob_mb: int = 256
+    # NATS credentials and TLS (docs/security.md). A user:password or a token goes in
+    # nats_url itself (nats://user:pw@host, nats://token@host); these name files.
+    # A .creds file (user JWT + nkey seed), for operator/account (decentralised) auth.
+    nats_creds: str | None = None
+    # A file holding a user nkey seed ("SU..."), for servers that list nkey users.
+    nats_nkey_seed: str | None = None
+    # PEM CA bundle that signed the NATS server certificate; setting it (or a client
+    # certificate) turns TLS on even for nats:// URLs. tls:// URLs alone use system CAs.
+    nats_tls_ca: str | None = None
+    # PEM client certificate and key for servers that verify clients (mutual TLS).
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+
+    def __repr__(self) -> str:
+        # The URLs may carry passwords; a config is printed in logs and tracebacks.
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return redact(f"ServiceConfig({body})")
+
+    def nats_auth(self) -> NatsAuth:
+        """The NATS credential and TLS files (URL credentials are added by BusConfig)."""
+        return NatsAuth(creds_file=self.nats_creds or None,
+                        nkey_seed_file=self.nats_nkey_seed or None,
+                        tls_ca=self.nats_tls_ca or None, tls_cert=self.nats_tls_cert or None,
+                        tls_key=self.nats_tls_key or None)  # fmt: skip
+
+    def _check_secrets(self) -> None:
+        auth = self.nats_auth()  # raises on a cert without a key, creds and seed both, ...
+        missing = auth.missing_files()
+        if missing:
+            raise ValueError(f"NATS credential / TLS files not found: {missing}")
+        take_url_credentials(tuple(self.nats_url.split(",")), auth)  # consistent userinfo
+        check_redis_url(self.redis_url)
 
     def __post_init__(self) -> None:
+        self._check_secrets()
         for name in ("request_timeout_s", "stall_timeout_s", "bus_timeout_s", "heartbeat_s",
                      "instance_ttl_s", "shutdown_grace_s"):  # fmt: skip
             if getattr(self, name) <= 0:

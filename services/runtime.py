@@ -20,8 +20,10 @@ class Service(Protocol):
 
 
 async def connect_bus(config: ServiceConfig, name: str) -> Bus:
+    """The process's bus, with the credentials and TLS of ``config`` (URL userinfo,
+    creds / nkey seed file, TLS files): every service connects through here."""
     servers = tuple(u.strip() for u in config.nats_url.split(",") if u.strip())
-    return await Bus.connect(BusConfig(servers=servers, name=name))
+    return await Bus.connect(BusConfig(servers=servers, name=name, auth=config.nats_auth()))
 
 
 async def serve_until_signal(service: Service) -> None:

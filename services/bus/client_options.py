@@ -1,11 +1,18 @@
-"""nats-py connection options for a ``BusConfig``: reconnect policy and logging callbacks."""
+"""Opening the nats-py client for a ``BusConfig``: reconnect policy, credentials, TLS,
+logging callbacks, and a first connect that fails fast when the server says no."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 from typing import TYPE_CHECKING
 
+import nats.errors
 from nats.aio.client import Client
+
+from services.bus.errors import BusUnavailable
+from services.urls import redact
 
 if TYPE_CHECKING:
     from services.bus.connection import BusConfig
@@ -13,9 +20,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger("services.bus.connection")
 
 
-def connect_options(config: BusConfig, nc: Client) -> dict[str, object]:
+def is_refusal(exc: BaseException) -> bool:
+    """True for errors that retrying cannot fix: rejected credentials, a failed TLS
+    handshake, a TLS mismatch between client and server."""
+    if isinstance(exc, ssl.SSLError | nats.errors.AuthorizationError):
+        return True
+    if isinstance(exc, nats.errors.SecureConnRequiredError | nats.errors.SecureConnFailedError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.Error) and ("authori" in text or "authenti" in text)
+
+
+def connect_options(
+    config: BusConfig, nc: Client, refused: asyncio.Future[BaseException] | None = None
+) -> dict[str, object]:
+    """nats-py ``connect()`` arguments. ``refused`` gets the first refusal (see
+    ``is_refusal``) seen before the first connection is up."""
+
     async def on_error(exc: Exception) -> None:
-        logger.warning("nats error name=%s: %r", config.name, exc)
+        if refused is not None and not refused.done() and is_refusal(exc):
+            refused.set_result(exc)
+        logger.warning("nats error name=%s: %s", config.name, redact(repr(exc)))
 
     async def on_disconnect() -> None:
         if not (nc.is_closed or nc.is_draining):
@@ -36,4 +61,51 @@ def connect_options(config: BusConfig, nc: Client) -> dict[str, object]:
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
+        **config.auth.client_options(),
     }
+
+
+async def open_client(config: BusConfig) -> Client:
+    """A connected client; BusUnavailable after ``connect_timeout_s``, or as soon as the
+    server refuses us (nats-py would otherwise retry a wrong password until the timeout
+    and report only that it timed out)."""
+    missing = config.auth.missing_files()
+    if missing:
+        raise BusUnavailable(f"NATS credential / TLS files not found: {missing}")
+    nc = Client()
+    refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    connecting = asyncio.ensure_future(nc.connect(**connect_options(config, nc, refused)))
+    where = f"NATS at {list(config.servers)}"  # the servers hold no userinfo (BusConfig)
+    try:
+        done, _ = await asyncio.wait(
+            {connecting, refused},
+            timeout=config.connect_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if connecting in done:
+            connecting.result()  # raises what connect() raised
+            return nc
+        if refused in done:
+            raise BusUnavailable(
+                f"{where} refused the connection: {redact(repr(refused.result()))}"
+            )
+        raise BusUnavailable(f"cannot connect to {where} within {config.connect_timeout_s}s")
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        raise BusUnavailable(f"cannot connect to {where}: {redact(repr(exc))}") from exc
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+        refused.cancel()
+        if not nc.is_connected:
+            await close_quietly(nc)
+
+
+async def close_quietly(nc: Client) -> None:
+    """Close without raising (used on failed connects and at the end of ``close``)."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.close()
+    except Exception as exc:  # closing must never raise
+        logger.debug("nats close failed: %r", exc)

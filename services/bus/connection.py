@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import nats
 import nats.errors
 from google.protobuf.message import Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from services.bus.client_options import connect_options
+from services.bus.auth import NatsAuth, take_url_credentials
+from services.bus.client_options import close_quietly, open_client
 from services.bus.errors import (
     BusError,
     BusTimeout,
@@ -34,7 +34,7 @@ from services.bus.messages import M, decode, encode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ERROR_HEADER", "Bus", "BusConfig", "Handler", "Incoming"]
+__all__ = ["ERROR_HEADER", "Bus", "BusConfig", "Handler", "Incoming", "NatsAuth"]
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,13 @@ class BusConfig:
     # server can report no interest for a few ms after another client's SUB was
     # acknowledged (seen with nats-server 2.15), e.g. right after an instance starts.
     no_responders_grace_s: float = 0.1
+    # Credentials and TLS; userinfo in ``servers`` is moved here at construction.
+    auth: NatsAuth = field(default_factory=NatsAuth)
 
     def __post_init__(self) -> None:
+        servers, auth = take_url_credentials(tuple(self.servers), self.auth)
+        object.__setattr__(self, "servers", servers)  # frozen: the one place it changes
+        object.__setattr__(self, "auth", auth)
         if not self.servers or not all(s.startswith(("nats://", "tls://")) for s in self.servers):
             raise ValueError(f"servers must be nats:// or tls:// URLs, got {self.servers}")
         for name in ("connect_timeout_s", "reconnect_wait_s", "ping_interval_s", "drain_timeout_s"):
@@ -84,19 +89,12 @@ class Bus:
 
     @classmethod
     async def connect(cls, config: BusConfig | None = None) -> Bus:
-        """Connect to NATS; raise BusUnavailable after ``connect_timeout_s``."""
+        """Connect to NATS; raise BusUnavailable after ``connect_timeout_s``, or at once
+        when the server rejects the credentials or the TLS handshake fails."""
         config = config or BusConfig()
-        nc = Client()
-        try:
-            await asyncio.wait_for(
-                nc.connect(**connect_options(config, nc)), timeout=config.connect_timeout_s
-            )
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
-            await _close_quietly(nc)
-            raise BusUnavailable(
-                f"cannot connect to NATS at {list(config.servers)}: {exc!r}"
-            ) from exc
-        logger.info("bus connected name=%s url=%s", config.name, nc.connected_url)
+        nc = await open_client(config)
+        url = nc.connected_url.geturl() if nc.connected_url else "?"  # holds no userinfo
+        logger.info("bus connected name=%s url=%s", config.name, url)
         return cls(nc, config)
 
     @property
@@ -247,7 +245,7 @@ class Bus:
             await asyncio.wait_for(self._nc.drain(), timeout=grace)
         except (TimeoutError, nats.errors.Error) as exc:
             logger.warning("bus drain failed, closing: %r", exc)
-        await _close_quietly(self._nc)
+        await close_quietly(self._nc)
         logger.info("bus closed name=%s", self._config.name)
 
     def _check_open(self) -> None:
@@ -267,12 +265,3 @@ async def _bounded(aw: Awaitable[object], timeout_s: float, what: str) -> None:
         await asyncio.wait_for(aw, timeout=timeout_s)
     except TimeoutError:
         logger.warning("bus close: %s did not finish within %.1fs", what, timeout_s)
-
-
-async def _close_quietly(nc: Client) -> None:
-    if nc.is_closed:
-        return
-    try:
-        await nc.close()
-    except Exception as exc:  # closing must never raise
-        logger.debug("nats close failed: %r", exc)
