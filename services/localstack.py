@@ -20,6 +20,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
+
+from services.urls import redact
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +134,7 @@ def _wait_ready(server: ServerProcess, hello: bytes, expect: bytes, timeout_s: f
 def _launch(name: str, argv: list[str], host: str, port: int, url: str, wd: Path) -> ServerProcess:
     with open(wd / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=wd, stdout=log, stderr=subprocess.STDOUT)
-    logger.info("started %s pid=%d url=%s", name, proc.pid, url)
+    logger.info("started %s pid=%d url=%s", name, proc.pid, redact(url))
     return ServerProcess(name, host, port, url, proc, wd)
 
 
@@ -168,18 +171,24 @@ def start_nats(
     *,
     host: str = "127.0.0.1",
     max_payload: int | None = None,
+    extra_config: str = "",
     workdir: Path | None = None,
     ready_timeout_s: float = 10.0,
 ) -> ServerProcess:
     """Start nats-server (core NATS, no JetStream); return once it accepts clients.
 
     ``max_payload`` (bytes) overrides the server's 1 MiB default message limit.
+    ``extra_config`` is appended to the server's config file as it is (an
+    ``authorization`` or ``tls`` block: docs/security.md); the returned URL carries no
+    credentials (readiness is the server's INFO line, sent before any auth or TLS).
     """
 
     def build(chosen: int, wd: Path) -> tuple[list[str], str, bytes, bytes]:
         lines = [f"host: {host}", f"port: {chosen}"]
         if max_payload is not None:
             lines.append(f"max_payload: {int(max_payload)}")
+        if extra_config:
+            lines.append(extra_config)
         (wd / "nats.conf").write_text("\n".join(lines) + "\n")
         argv = [find_nats_server(), "-c", str(wd / "nats.conf")]
         return argv, f"nats://{host}:{chosen}", b"", b"INFO "
@@ -192,20 +201,36 @@ def start_redis(
     *,
     host: str = "127.0.0.1",
     maxmemory: str | None = None,
+    password: str | None = None,
     workdir: Path | None = None,
     ready_timeout_s: float = 10.0,
 ) -> ServerProcess:
     """Start redis-server without persistence; return once it answers PING.
 
-    ``maxmemory`` (e.g. "512mb") bounds it with allkeys-lru eviction.
+    ``maxmemory`` (e.g. "512mb") bounds it with allkeys-lru eviction. ``password``
+    sets ``requirepass`` (in a config file, not on the command line that ``ps`` shows);
+    the returned URL then carries it (``redis://:pw@host:port/0``).
     """
 
+    if password and (not password.isprintable() or any(c in password for c in ' "\\')):
+        # It is written into a quoted config line and sent in an inline AUTH command.
+        raise ValueError("redis password: printable characters without spaces, quotes or \\")
+
     def build(chosen: int, wd: Path) -> tuple[list[str], str, bytes, bytes]:
-        argv = [find_redis_server(), "--port", str(chosen), "--bind", host, "--save", ""]
+        argv = [find_redis_server()]
+        hello, expect, userinfo = b"PING\r\n", b"+PONG", ""
+        if password:
+            conf = wd / "redis.conf"
+            conf.touch(mode=0o600)
+            conf.write_text(f'requirepass "{password}"\n')
+            argv.append(str(conf))  # the config file must come first
+            hello, expect = f"AUTH {password}\r\n".encode() + hello, b"+OK"
+            userinfo = f":{quote(password, safe='')}@"
+        argv += ["--port", str(chosen), "--bind", host, "--save", ""]
         argv += ["--appendonly", "no", "--daemonize", "no", "--dir", str(wd)]
         if maxmemory:
             argv += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
-        return argv, f"redis://{host}:{chosen}/0", b"PING\r\n", b"+PONG"
+        return argv, f"redis://{userinfo}{host}:{chosen}/0", hello, expect
 
     return _start("redis", build, port, host, workdir, ready_timeout_s)
 
@@ -213,4 +238,4 @@ def start_redis(
 if __name__ == "__main__":  # manual check: python -m services.localstack
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     with start_nats() as nats_srv, start_redis() as redis_srv:
-        logger.info("nats %s redis %s ready", nats_srv.url, redis_srv.url)
+        logger.info("nats %s redis %s ready", nats_srv.url, redact(redis_srv.url))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -54,7 +55,7 @@ class NatsAuth:
 
     @property
     def uses_tls(self) -> bool:
-        """True when any TLS file is set (TLS then follows even a nats:// URL)."""
+        """True when any TLS file is set (TLS is then required, even for nats:// URLs)."""
         return bool(self.tls_ca or self.tls_cert)
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -67,13 +68,19 @@ class NatsAuth:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)
         return ctx
 
-    def client_options(self) -> dict[str, object]:
-        """The nats-py ``connect()`` keyword arguments for these credentials and TLS."""
+    def client_options(self, before_secret: Callable[[], None] = lambda: None) -> dict[str, object]:
+        """The nats-py ``connect()`` keyword arguments for these credentials and TLS.
+
+        nats-py reads a callable user, password or token while it writes CONNECT, after
+        any TLS upgrade: ``before_secret`` runs then and may raise to keep the secret
+        off a connection that should have been TLS and is not.
+        """
         options: dict[str, object] = {}
         if self.user:
-            options.update(user=self.user, password=self.password)
+            options.update(user=_guarded(self.user, before_secret),
+                           password=_guarded(self.password or "", before_secret))  # fmt: skip
         if self.token:
-            options["token"] = self.token
+            options["token"] = _guarded(self.token, before_secret)
         if self.creds_file:
             options["user_credentials"] = self.creds_file
         if self.nkey_seed_file:
@@ -87,6 +94,14 @@ class NatsAuth:
         """The configured files that do not exist (for a clear error at start-up)."""
         files = (self.creds_file, self.nkey_seed_file, self.tls_ca, self.tls_cert, self.tls_key)
         return [f for f in files if f and not Path(f).is_file()]
+
+
+def _guarded(value: str, before: Callable[[], None]) -> Callable[[], str]:
+    def get() -> str:
+        before()
+        return value
+
+    return get
 
 
 def take_url_credentials(

@@ -25,10 +25,31 @@ def is_refusal(exc: BaseException) -> bool:
     handshake, a TLS mismatch between client and server."""
     if isinstance(exc, ssl.SSLError | nats.errors.AuthorizationError):
         return True
-    if isinstance(exc, nats.errors.SecureConnRequiredError | nats.errors.SecureConnFailedError):
+    secure = (nats.errors.SecureConnRequiredError, nats.errors.SecureConnWantedError,
+              nats.errors.SecureConnFailedError)  # fmt: skip
+    if isinstance(exc, secure):
         return True
     text = str(exc).lower()
     return isinstance(exc, nats.errors.Error) and ("authori" in text or "authenti" in text)
+
+
+def describe(exc: BaseException) -> str:
+    """Class and message, secrets masked (nats-py errors' repr drops the message)."""
+    return redact(f"{type(exc).__name__}: {exc}")
+
+
+def is_tls(nc: Client) -> bool:
+    """Whether the client's current connection runs over TLS. nats-py has no public
+    property for it; its transport keeps the asyncio writer that knows."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    return writer is not None and writer.get_extra_info("ssl_object") is not None
+
+
+def wants_tls(config: BusConfig) -> bool:
+    """TLS files given or a tls:// server: a plaintext connection is then refused
+    (nats-py itself upgrades only when the server asks, so a server or a man in the
+    middle that does not ask would get the credentials in clear)."""
+    return config.auth.uses_tls or any(s.startswith("tls://") for s in config.servers)
 
 
 def connect_options(
@@ -40,7 +61,7 @@ def connect_options(
     async def on_error(exc: Exception) -> None:
         if refused is not None and not refused.done() and is_refusal(exc):
             refused.set_result(exc)
-        logger.warning("nats error name=%s: %s", config.name, redact(repr(exc)))
+        logger.warning("nats error name=%s: %s", config.name, describe(exc))
 
     async def on_disconnect() -> None:
         if not (nc.is_closed or nc.is_draining):
@@ -48,6 +69,10 @@ def connect_options(
 
     async def on_reconnect() -> None:
         logger.info("nats reconnected name=%s", config.name)
+
+    def before_secret() -> None:
+        if wants_tls(config) and not is_tls(nc):
+            raise nats.errors.SecureConnWantedError  # "secure connection not available"
 
     return {
         "servers": list(config.servers),
@@ -61,7 +86,7 @@ def connect_options(
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
-        **config.auth.client_options(),
+        **config.auth.client_options(before_secret),
     }
 
 
@@ -84,20 +109,20 @@ async def open_client(config: BusConfig) -> Client:
         )
         if connecting in done:
             connecting.result()  # raises what connect() raised
+            if wants_tls(config) and not is_tls(nc):  # no credentials: nothing stopped it
+                raise BusUnavailable(f"{where} did not offer TLS, which this client requires")
             return nc
         if refused in done:
-            raise BusUnavailable(
-                f"{where} refused the connection: {redact(repr(refused.result()))}"
-            )
+            raise BusUnavailable(f"{where} refused the connection: {describe(refused.result())}")
         raise BusUnavailable(f"cannot connect to {where} within {config.connect_timeout_s}s")
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise BusUnavailable(f"cannot connect to {where}: {redact(repr(exc))}") from exc
+        raise BusUnavailable(f"cannot connect to {where}: {describe(exc)}") from exc
     finally:
         if not connecting.done():
             connecting.cancel()
             await asyncio.gather(connecting, return_exceptions=True)
         refused.cancel()
-        if not nc.is_connected:
+        if not nc.is_connected or (wants_tls(config) and not is_tls(nc)):
             await close_quietly(nc)
 
 
