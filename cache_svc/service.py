@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 import torch
 
@@ -21,9 +20,8 @@ from cache_svc.semantic import SemanticCache
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.handlers import Incoming
-from services.bus.heartbeat import HeartbeatPublisher, Load
 from services.config import ServiceConfig
-from services.runtime import connect_bus
+from services.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -38,54 +36,36 @@ async def open_cache(redis_url: str, config: SemanticCacheConfig) -> SemanticCac
     return cache
 
 
-class CacheService:
+class CacheService(Service):
+    """The semantic response cache over the bus; in flight = the handlers running."""
+
     role = subjects.ROLE_CACHE
 
     def __init__(self, config: ServiceConfig, cache_config: SemanticCacheConfig | None = None):
-        self.config = config
+        super().__init__(config)
         self.cache_config = cache_config or SemanticCacheConfig()
-        self.instance_id = config.instance_id or f"cache-{uuid.uuid4().hex[:8]}"
-        self.bus = self.cache = self.heartbeat = None
-        self.in_flight = 0
-        self._stopped = False
+        self.cache: SemanticCache | None = None
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         # Lookups are one short sentence each (batched when concurrent): one thread, not
         # a team that oversubscribes the cores the engine services share.
         torch.set_num_threads(1)
         self.cache = await open_cache(self.config.redis_url, self.cache_config)
-        self.bus = await connect_bus(self.config, self.instance_id)
+
+    async def register(self) -> None:
+        # Any replica answers: the drain leaves both queue groups to the others.
         for subject, handler in ((subjects.CACHE_LOOKUP, self._on_lookup),
                                  (subjects.CACHE_STORE, self._on_store)):  # fmt: skip
-            await self.bus.subscribe(subject, handler, queue=subjects.QUEUE_CACHE,
-                                     max_concurrency=256)  # fmt: skip
-        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id,
-                                            lambda: Load(running=self.in_flight),
-                                            interval_s=self.config.heartbeat_s)  # fmt: skip
-        await self.heartbeat.start()
-        log.info("cache %s ready (%d entries)", self.instance_id, len(self.cache.index))
+            await self.serve_work(subject, handler, queue=subjects.QUEUE_CACHE,
+                                  max_concurrency=256)  # fmt: skip
+        log.info("cache %s holds %d entries", self.instance_id, len(self.cache.index))
 
     async def _on_lookup(self, msg: Incoming) -> None:
-        await self._answer(msg, msg.decode(bus_pb2.CacheQuery), self.cache.lookup)
+        await msg.respond(await self.cache.lookup(msg.decode(bus_pb2.CacheQuery)))
 
     async def _on_store(self, msg: Incoming) -> None:
-        await self._answer(msg, msg.decode(bus_pb2.CacheStoreRequest), self.cache.put)
+        await msg.respond(await self.cache.put(msg.decode(bus_pb2.CacheStoreRequest)))
 
-    async def _answer(self, msg: Incoming, request, handle) -> None:
-        self.in_flight += 1
-        try:
-            await msg.respond(await handle(request))
-        finally:
-            self.in_flight -= 1
-
-    async def stop(self) -> None:
-        """Heartbeats off, drain the bus (lookups in flight finish), close; idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        if self.bus is not None:
-            await self.bus.close()
+    async def release(self) -> None:
         if self.cache is not None:
             await self.cache.stop()

@@ -47,9 +47,9 @@ class DecodeService(EngineService):
                   dtype_name(llm.loaded.dtype))  # fmt: skip
         self.receiver = NatsKVReceiver(self.bus, self.instance_id, layout)
         await self.receiver.start()
-        await self.bus.subscribe(
-            subjects.decode(self.instance_id), self._on_decode, max_concurrency=64
-        )
+        # Served while draining: a hand-off continues a request admitted before the drain.
+        await self.serve_work(subjects.decode(self.instance_id), self._on_decode,
+                              while_draining=True)  # fmt: skip
 
     async def _on_decode(self, msg: Incoming) -> None:
         req = msg.decode(bus_pb2.DecodeRequest)
@@ -145,23 +145,7 @@ class DecodeService(EngineService):
             upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_INTERNAL, out.error))
         return upd
 
-    async def _fail_in_flight(self, reason: str) -> None:
-        """Tell each gateway its requests here will not finish (no silent loss)."""
-        batches: dict[str, bus_pb2.TokenBatch] = {}
-        for rid, req in list(self.routes.items()):
-            upd = bus_pb2.TokenUpdate(request_id=rid, finish_reason=FINISH_TO_PROTO["error"])
-            upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_UNAVAILABLE, reason))
-            batches.setdefault(
-                req.gateway_id, bus_pb2.TokenBatch(instance_id=self.instance_id)
-            ).updates.append(upd)
-        self.routes.clear()
-        for gateway_id, batch in batches.items():
-            try:
-                await self.bus.publish(subjects.out(gateway_id), batch)
-            except BusError as e:
-                log.warning("could not tell gateway %s about shutdown: %s", gateway_id, e)
-
-    async def _before_drain(self) -> None:
+    async def hand_back(self) -> None:
         await self._fail_in_flight("the decode instance is shutting down")
         if self.receiver is not None:
             await self.receiver.close()

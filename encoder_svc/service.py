@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 import torch
 
@@ -28,7 +27,6 @@ from services.bus.blobs import BlobInbox, send_blob
 from services.bus.deadline import timeout_for
 from services.bus.errors import BusError
 from services.bus.handlers import Incoming
-from services.bus.heartbeat import HeartbeatPublisher, Load
 from services.config import EngineConfig, ServiceConfig
 from services.images import ImageError, ImagePreprocessor, decode_image, image_hash
 from services.metrics import (
@@ -39,7 +37,7 @@ from services.metrics import (
     IMAGES_ENCODED,
 )
 from services.models.factory import load_vision_encoder
-from services.runtime import connect_bus
+from services.service import Service
 from services.singleflight import SingleFlight
 from services.wire import error
 
@@ -47,40 +45,36 @@ log = logging.getLogger(__name__)
 _INVALID = bus_pb2.ERROR_CODE_INVALID_ARGUMENT
 
 
-class EncoderService:
+class EncoderService(Service):
+    """Encodes images for prefill; in flight = the encode handlers running."""
+
     role = subjects.ROLE_ENCODE
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
+        super().__init__(config)
         self.engine_config = engine_config
-        self.config = config
-        self.instance_id = config.instance_id or f"encoder-{uuid.uuid4().hex[:8]}"
-        self.bus = self.store = self.heartbeat = self.blobs = None
+        self.store = self.blobs = None
         self.flight: SingleFlight[str, torch.Tensor] = SingleFlight()
-        self.in_flight = 0
-        self._stopped = False
 
-    async def start(self) -> None:
-        self.model = load_vision_encoder(self.engine_config)
-        self.fingerprint = self.model.fingerprint
+    async def load(self) -> None:
+        # In a thread: the loop keeps answering signals while the weights load.
+        self.model = await asyncio.to_thread(load_vision_encoder, self.engine_config)
+        self.fingerprint = self.model_fingerprint = self.model.fingerprint
         self.preprocessor = ImagePreprocessor(self.model.model_dir)
         self.batcher = EncodeBatcher(self._encode_batch, self.config.encode_batch_window_ms / 1e3)
         self.store = EmbeddingStore.from_config(
             EmbeddingStoreConfig(url=self.config.redis_url, ttl_s=self.config.embedding_ttl_s)
         )
-        self.bus = await connect_bus(self.config, self.instance_id)
+
+    async def register(self) -> None:
         self.blobs = BlobInbox(self.bus, self.instance_id, self.config.max_blob_mb << 20)
         await self.blobs.start()
-        await self.bus.subscribe(subjects.encode(self.fingerprint), self._on_encode, queue=subjects.QUEUE_ENCODE,
-                                 max_concurrency=64)  # fmt: skip
-        await self.bus.subscribe(subjects.encoder(self.instance_id), self._on_encode,
-                                 max_concurrency=64)  # fmt: skip
-        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
-                                            interval_s=self.config.heartbeat_s, model=self.fingerprint)  # fmt: skip
-        await self.heartbeat.start()
-        log.info("encoder %s ready (model %s)", self.instance_id, self.fingerprint)
-
-    def _load(self) -> Load:
-        return Load(running=self.in_flight)
+        # Any replica may take an image: the drain leaves the queue group to the others.
+        await self.serve_work(subjects.encode(self.fingerprint), self._on_encode,
+                              queue=subjects.QUEUE_ENCODE)  # fmt: skip
+        # The image was sent ahead to this instance: refused while draining.
+        await self.serve_work(subjects.encoder(self.instance_id), self._on_encode,
+                              bus_pb2.EncodeReply)  # fmt: skip
 
     @torch.inference_mode()
     def _encode_batch(self, images: list) -> list[torch.Tensor]:
@@ -98,12 +92,7 @@ class EncoderService:
         return emb, stored
 
     async def _on_encode(self, msg: Incoming) -> None:
-        req = msg.decode(bus_pb2.EncodeRequest)
-        self.in_flight += 1
-        try:
-            await msg.respond(await self._encode(req))
-        finally:
-            self.in_flight -= 1
+        await msg.respond(await self._encode(msg.decode(bus_pb2.EncodeRequest)))
 
     async def _encode(self, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
         reply = bus_pb2.EncodeReply(image_hash=req.image_hash)
@@ -162,17 +151,15 @@ class EncoderService:
         reply.embedding_ref.CopyFrom(ref)
         return reply
 
-    async def stop(self) -> None:
-        """Stop heartbeats, drain the bus (in-flight encodes finish), close Redis; idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
+    async def hand_back(self) -> None:
+        # Encodes still waiting for their image fail now, with a reply, rather than
+        # holding the bus drain until their own timeout.
         if self.blobs is not None:
             await self.blobs.close()
-        if self.bus is not None:
-            await self.bus.close()
+
+    async def release(self) -> None:
+        if self.blobs is not None:
+            await self.blobs.close()  # safe twice: in case the drain failed before hand_back
         if self.store is not None:
             await self.store.close()
 

@@ -41,8 +41,8 @@ class PrefillService(EngineService):
         self.handoff = HandOff(
             self.bus, NatsKVSender(self.bus), self.instance_id, self.config.bus_timeout_s
         )
-        await self.bus.subscribe(
-            subjects.prefill(self.instance_id), self._on_prefill, max_concurrency=64
+        await self.serve_work(
+            subjects.prefill(self.instance_id), self._on_prefill, bus_pb2.PrefillReply
         )
 
     async def _on_prefill(self, msg: Incoming) -> None:
@@ -130,11 +130,12 @@ class PrefillService(EngineService):
             )
             batch.updates.append(upd)
             if out.outputs[0].finish_reason is None and out.kv_blocks is not None:
-                self._spawn(self.handoff.hand_over(req, upd, out.kv_blocks))
+                self._spawn(self.handoff.hand_over(req, upd, out.kv_blocks), owner=req)
         for gateway_id, batch in batches.items():
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 
-    async def _close_extra(self) -> None:
+    async def release(self) -> None:
+        await super().release()
         if self.blobs is not None:
             await self.blobs.close()
         if self.store is not None:

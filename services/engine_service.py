@@ -1,58 +1,75 @@
-"""The common shape of the services that run the engine (prefill and decode).
+"""The service skeleton for the roles that run the engine (prefill and decode).
 
-main -> connect -> register handlers -> serve -> ordered shutdown (STYLE.md 10): the
-engine thread, one bus connection, abort handling and heartbeats with the engine's load
-live here; a role adds its own subscriptions and its step-output handling.
+On top of services/service.py: the engine thread, abort handling, heartbeats with the
+engine's load, and the engine's side of the drain: a request counts as in flight while
+it has a route here (or a hand-off under way), and whatever is still in flight at the
+end of the grace is handed back to its gateway with a retryable UNAVAILABLE error. A
+role adds its own subscriptions (``_register``) and step-output handling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
+from services.bus.errors import BusError
 from services.bus.handlers import Incoming
-from services.bus.heartbeat import HeartbeatPublisher, Load
+from services.bus.heartbeat import Load
 from services.config import EngineConfig, ServiceConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.recent import RecentIds
-from services.runtime import connect_bus
+from services.service import Service
+from services.wire import FINISH_TO_PROTO, error
 
 log = logging.getLogger(__name__)
 
 
-class EngineService:
-    role = ""
+class EngineService(Service):
+    """Base of PrefillService and DecodeService."""
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig):
+        super().__init__(config)
         self.engine_config = engine_config
-        self.config = config
-        self.instance_id = config.instance_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.engine: AsyncEngine | None = None
-        self.bus = self.heartbeat = None
         # request id -> the message that brought it (where its outputs go)
         self.routes: dict = {}
+        # request id -> (its request, the task handing it to another instance)
+        self.handing_off: dict[str, tuple[Any, asyncio.Task]] = {}
         # Aborts may overtake the work they cancel; remember them for a while.
         self.aborted = RecentIds(ttl_s=120.0)
         self._tasks: set[asyncio.Task] = set()
-        self._stopped = False
 
-    async def start(self) -> None:
+    # -- the skeleton's hooks -----------------------------------------------------------
+    async def load(self) -> None:
         llm = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.engine = AsyncEngine(llm, on_outputs=self._on_outputs)
+        self.model_fingerprint = llm.loaded.fingerprint
+        self.engine = AsyncEngine(llm, on_outputs=self._step_outputs)
         self.engine.start()
-        self.bus = await connect_bus(self.config, self.instance_id)
-        await self._register(llm)
-        await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
-        self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id, self._load,
-                                            interval_s=self.config.heartbeat_s,
-                                            model=llm.loaded.fingerprint)  # fmt: skip
-        await self.heartbeat.start()
-        log.info("%s %s ready", self.role, self.instance_id)
 
+    async def register(self) -> None:
+        await self._register(self.engine.engine)
+        await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
+
+    def report_load(self) -> Load:
+        load = self.engine.load()
+        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
+
+    def busy(self) -> bool:
+        return bool(self.routes or self._tasks)
+
+    async def hand_back(self) -> None:
+        await self._fail_in_flight(f"the {self.role} instance is shutting down")
+
+    async def release(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    # -- the role's hooks ---------------------------------------------------------------
     async def _register(self, llm: LLMEngine) -> None:
         """Subscribe the role's own subjects."""
         raise NotImplementedError
@@ -61,41 +78,50 @@ class EngineService:
         """One engine step's outputs, on the event loop."""
         raise NotImplementedError
 
-    def _load(self) -> Load:
-        load = self.engine.load()
-        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
+    # -- inside -------------------------------------------------------------------------
+    def _step_outputs(self, outputs) -> None:
+        self._on_outputs(outputs)
+        self.progressed()  # requests may have finished: a drain re-checks
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], owner=None) -> None:
+        """Run ``coro`` in the background; ``owner`` (a request with a ``gateway_id``)
+        is owed an error if the task is still running when the grace ends."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if owner is not None:
+            self.handing_off[owner.request_id] = (owner, task)
+        task.add_done_callback(lambda t: self._task_done(t, owner))
+
+    def _task_done(self, task: asyncio.Task, owner) -> None:
+        self._tasks.discard(task)
+        if owner is not None and self.handing_off.get(owner.request_id, (None, None))[1] is task:
+            del self.handing_off[owner.request_id]
+        self.progressed()
 
     async def _on_abort(self, msg: Incoming) -> None:
         rid = msg.decode(bus_pb2.Abort).request_id
         self.aborted.add(rid)
         if self.routes.pop(rid, None) is not None:
             await self.engine.abort(rid)
+            self.progressed()
 
-    async def _before_drain(self) -> None:
-        """Hook: last words to the gateways before the bus drains."""
-
-    async def _close_extra(self) -> None:
-        """Hook: close what the role opened besides the bus and the engine."""
-
-    async def stop(self) -> None:
-        """Heartbeats off (routers stop sending), finish pending sends within the grace
-        period, drain the bus, stop the engine; safe to call twice."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        if self.bus is not None:
-            await self._before_drain()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_grace_s)
-        if self.bus is not None:
-            await self.bus.close()
-        if self.engine is not None:
-            await self.engine.shutdown()
-        await self._close_extra()
+    async def _fail_in_flight(self, reason: str) -> None:
+        """Tell each gateway its requests here will not finish (no silent loss)."""
+        owed = dict(self.routes)
+        for rid, (req, task) in self.handing_off.items():
+            owed[rid] = req
+            task.cancel()  # its own error report would come second (or not at all)
+        batches: dict[str, bus_pb2.TokenBatch] = {}
+        for rid, req in owed.items():
+            upd = bus_pb2.TokenUpdate(request_id=rid, finish_reason=FINISH_TO_PROTO["error"])
+            upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_UNAVAILABLE, reason))
+            batches.setdefault(
+                req.gateway_id, bus_pb2.TokenBatch(instance_id=self.instance_id)
+            ).updates.append(upd)
+        self.routes.clear()
+        self.handing_off.clear()
+        for gateway_id, batch in batches.items():
+            try:
+                await self.bus.publish(subjects.out(gateway_id), batch)
+            except BusError as e:
+                log.warning("could not tell gateway %s about shutdown: %s", gateway_id, e)

@@ -1,11 +1,17 @@
-"""The life of a service process: start, serve until a signal, ordered shutdown."""
+"""The life of a service process: start, serve until a signal, drain, ordered shutdown.
+
+The first SIGTERM / SIGINT starts the graceful drain (services/service.py); a second one
+exits at once, without waiting for in-flight work (an operator who means it).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 from typing import Protocol
 
 from services.bus.connection import Bus, BusConfig
@@ -15,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class Service(Protocol):
+    """What serve_until_signal drives (services/service.py's Service is one)."""
+
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
@@ -27,15 +35,31 @@ async def connect_bus(config: ServiceConfig, name: str) -> Bus:
 
 
 async def serve_until_signal(service: Service) -> None:
-    """start -> wait for SIGINT/SIGTERM -> stop (in ``finally``, so always)."""
+    """start -> wait for SIGINT/SIGTERM -> stop (in ``finally``, so always); a second
+    signal while stopping exits the process at once."""
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now, in-flight work is dropped", sig.name)
+            _exit_now(128 + sig)
+        log.info("%s: draining (send it again to exit at once)", sig.name)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     try:
         await service.start()
         await stop.wait()
-        log.info("shutting down")
     finally:
         await service.stop()
+
+
+def _exit_now(code: int) -> None:
+    """Leave without unwinding: ``finally`` blocks would start the drain again."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
