@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Protocol
 
 from services.bus.connection import Bus, BusConfig
@@ -46,15 +47,22 @@ async def serve_until_signal(service: Service) -> None:
         log.info("%s: draining (send it again to exit at once)", sig.name)
         stop.set()
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, on_signal, sig)
+    _on_signals(on_signal)
     try:
         await service.start()
+        # Again: uvicorn (the gateway's REST server) takes SIGINT/SIGTERM over while it
+        # starts and raises the signal anew when it stops, which would read as a second one.
+        _on_signals(on_signal)
         await stop.wait()
     finally:
         await service.stop()
+
+
+def _on_signals(handler: Callable[[signal.Signals], None]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, handler, sig)
 
 
 def _exit_now(code: int) -> None:
