@@ -93,7 +93,7 @@ class Gateway(Service):
             return AggregatedBackend(AsyncEngine(LLMEngine(self.engine_config)))
         from gateway.disaggregated import DisaggregatedBackend
 
-        return DisaggregatedBackend(self.engine_config, self.config, self.instance_id)
+        return DisaggregatedBackend(self.engine_config, self.config, self.instance_id, self.api)
 
     async def stop_intake(self) -> None:
         """Health says NOT_SERVING (load balancers look elsewhere); both servers refuse

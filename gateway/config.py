@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.policies import POLICIES
 from services.config import FromEnv
 from services.image_checks import MAX_IMAGE_PIXELS
 
@@ -40,6 +41,21 @@ class GatewayConfig(FromEnv):
     media_timeout_s: float = 10.0
     # Requests in progress on this gateway before new ones get 429 / RESOURCE_EXHAUSTED.
     max_inflight: int = 1024
+    # How the fleet's instances are chosen (gateway/policies.py): least_loaded,
+    # power_of_two, round_robin, random, consistent_hash (on the session key: the
+    # x-session-id header, else `user`) or prefix_aware (prefill goes where the prompt's
+    # prefix was prefilled last; README has the comparison that made it the default).
+    router_policy: str = "prefix_aware"
+    # Times one request may move to another instance after its worker died (Dynamo's
+    # --migration-limit). 0: a dead worker fails its requests.
+    migration_limit: int = 3
+    # This gateway's requests on one instance (per role) before it counts as full; when
+    # every instance of a role is full, new requests get 429 / RESOURCE_EXHAUSTED.
+    max_inflight_per_instance: int = 256
+    # Circuit breaker: an instance that failed this many dispatches in a row is skipped
+    # for breaker_cooloff_s.
+    breaker_failures: int = 3
+    breaker_cooloff_s: float = 10.0
 
     def __post_init__(self) -> None:
         self.api_key = tuple(self.api_key)
@@ -47,10 +63,16 @@ class GatewayConfig(FromEnv):
         if not 0 <= self.http_port < 65536:
             raise ValueError("http_port must be in 0..65535")
         for name in ("max_n", "max_stop", "max_stop_chars", "max_images", "max_image_bytes",
-                     "max_image_pixels", "max_body_mb", "max_inflight"):  # fmt: skip
+                     "max_image_pixels", "max_body_mb", "max_inflight",
+                     "max_inflight_per_instance", "breaker_failures"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.media_timeout_s <= 0:
-            raise ValueError("media_timeout_s must be > 0")
+        if self.media_timeout_s <= 0 or self.breaker_cooloff_s <= 0:
+            raise ValueError("media_timeout_s and breaker_cooloff_s must be > 0")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.router_policy not in POLICIES:
+            raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.router_policy!r}")  # fmt: skip
         if any(not k for k in self.api_key):
             raise ValueError("api_key entries must be non-empty")

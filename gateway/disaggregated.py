@@ -1,8 +1,12 @@
 """Requests across the fleet: encode missing images, prefill on one instance, decode on
 another, tokens back on ``epd.out.<gateway-id>``.
 
-The decode instance is chosen first (least loaded by heartbeats, round robin on ties)
-and named in the prefill request, so prefill can ship the KV straight to it.
+The router (gateway/router.py) picks the decode instance first, then the prefill
+instance, so prefill can ship the KV straight to decode. When a worker dies, stalls or
+refuses, the choice goes on elsewhere (``_choice``): before its first token that is a
+retry; after it a migration (at most ``migration_limit``): prefill recomputes the prompt
+plus every token already sent (its prefix cache makes that cheap) and the stream
+continues at the offset the client reached, with no token repeated or lost.
 """
 
 from __future__ import annotations
@@ -10,20 +14,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 
+from gateway.attempt import RETRYABLE, Route, WorkerLost, stream_updates, while_alive
+from gateway.config import GatewayConfig
 from gateway.encode import ImageEncoder
 from gateway.events import BackendError, TokenEvent
+from gateway.policies import RouteHint, block_hashes
 from gateway.prepare import PreparedRequest
 from gateway.reorder import UpdateOrderer
+from gateway.router import Lease, Router
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
-from services.bus.errors import BusError, NoResponders
+from services.bus.errors import BusError
 from services.bus.handlers import Incoming
 from services.bus.heartbeat import InstanceRegistry
 from services.config import EngineConfig, ServiceConfig
 from services.engine.parallel_sampling import child_request_id as choice_request_id
+from services.metrics import DROPPED_UPDATES, MIGRATIONS
 from services.models.info import ModelInfo
 from services.runtime import connect_bus
 from services.sampling_params import choice_seed
@@ -31,17 +39,43 @@ from services.wire import STATUS, params_to_proto, spans_to_proto
 
 log = logging.getLogger(__name__)
 
-# How often a waiting request checks that its workers are still alive.
-_LIVENESS_TICK_S = 0.5
+# Prompt blocks the prefix-aware router hashes (the engines' default block size).
+_ROUTE_BLOCK_TOKENS = 16
+
+
+class Encodings:
+    """A request's images, encoded once per prefill instance its choices use (the
+    embeddings an encoder pushed to one prefill serve every choice there)."""
+
+    def __init__(self, encoder: ImageEncoder, prep: PreparedRequest):
+        self.encoder, self.prep = encoder, prep
+        self.by_prefill: dict[str, asyncio.Future] = {}
+
+    async def for_prefill(self, prefill_id: str) -> dict[str, bus_pb2.BlobRef]:
+        if not self.prep.spans:
+            return {}
+        fut = self.by_prefill.get(prefill_id)
+        if fut is None:
+            fut = asyncio.ensure_future(self.encoder.encode(self.prep, prefill_id))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.by_prefill[prefill_id] = fut
+        return await asyncio.shield(fut)  # one choice giving up must not cancel the others'
+
+    def cancel(self) -> None:
+        for fut in self.by_prefill.values():
+            fut.cancel()
 
 
 class DisaggregatedBackend:
-    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, gateway_id: str):
+    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, gateway_id: str,
+                 api: GatewayConfig | None = None):  # fmt: skip
         self.engine_config = engine_config
         self.config = config
+        self.api = api or GatewayConfig()
         self.gateway_id = gateway_id
-        self.bus = self.registry = self.encoder = None
-        self.streams: dict[str, asyncio.Queue] = {}  # (choice) request id -> its updates
+        self.bus = self.registry = self.encoder = self.router = None
+        self.routes: dict[str, Route] = {}  # attempt's request id -> its route
+        self.current: dict[str, str] = {}  # choice's request id -> its attempt's id
         self.fan_outs: dict[str, list[asyncio.Task]] = {}  # n > 1: one task per choice
 
     async def start(self) -> None:
@@ -52,8 +86,9 @@ class DisaggregatedBackend:
                                                     subjects.ROLE_DECODE],
                                          expiry_s=self.config.instance_ttl_s)  # fmt: skip
         await self.registry.start()
+        self.router = Router(self.registry, self.info.fingerprint, self.api)
         self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
-                                    lambda: self._pick(subjects.ROLE_ENCODE))  # fmt: skip
+                                    self.router, self.alive)  # fmt: skip
         await self.bus.subscribe(subjects.out(self.gateway_id), self._on_tokens)
 
     async def stop(self) -> None:
@@ -68,37 +103,40 @@ class DisaggregatedBackend:
             return False
         roles = [subjects.ROLE_PREFILL, subjects.ROLE_DECODE]
         roles += [subjects.ROLE_ENCODE] if self.info.vision else []
-        fp = self.info.fingerprint
-        return all(any(i.model == fp for i in self.registry.live(role)) for role in roles)
+        return all(self.router.live(role) for role in roles)
+
+    def alive(self, role: str, instance_id: str) -> bool:
+        """Heard from within the expiry (a draining instance still finishes its work)."""
+        live = self.registry.live(role, include_draining=True)
+        return any(i.instance_id == instance_id for i in live)
 
     async def _on_tokens(self, msg: Incoming) -> None:
-        for upd in msg.decode(bus_pb2.TokenBatch).updates:
-            q = self.streams.get(upd.request_id)
-            if q is not None:
-                q.put_nowait(upd)
-
-    def _pick(self, role: str) -> str:
-        chosen = self.registry.pick_least_loaded(role, model=self.info.fingerprint)
-        if chosen is None:
-            raise BackendError("UNAVAILABLE", f"no live {role} instance")
-        return chosen
+        batch = msg.decode(bus_pb2.TokenBatch)
+        for upd in batch.updates:
+            route = self.routes.get(upd.request_id)
+            if route is not None and route.accepts(batch.instance_id, upd):
+                route.queue.put_nowait((batch.instance_id, upd))
+            elif route is not None:
+                DROPPED_UPDATES.inc()
+                log.warning("dropped an update for %s from %s, which does not hold it",
+                            upd.request_id, batch.instance_id)  # fmt: skip
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
-        prefill_id = self._pick(subjects.ROLE_PREFILL)
-        pushed = await self.encoder.encode(prep, prefill_id)
-        if prep.params.n == 1:
-            decode_id = self._pick(subjects.ROLE_DECODE)
-            async for event in self._choice(prep, prep.request_id, prep.params, prefill_id,
-                                            decode_id, pushed):  # fmt: skip
+        images = Encodings(self.encoder, prep)
+        try:
+            if prep.params.n == 1:
+                async for event in self._choice(prep, prep.request_id, prep.params, images):
+                    yield event
+                return
+            async for event in self._fan_out(prep, images):
                 yield event
-            return
-        async for event in self._fan_out(prep, prefill_id, pushed):
-            yield event
+        finally:
+            images.cancel()
 
-    async def _fan_out(self, prep, prefill_id: str, pushed: dict) -> AsyncIterator[TokenEvent]:
+    async def _fan_out(self, prep, images: Encodings) -> AsyncIterator[TokenEvent]:
         """n > 1 over the fleet: one request per choice (seeds as the engine derives
-        them), all on one prefill instance; the siblings start once choice 0 has its
-        first token, so its prompt blocks are in that instance's prefix cache."""
+        them); the siblings start once choice 0 has its first token, so the router
+        sends them where its prompt blocks are cached."""
         merged: asyncio.Queue = asyncio.Queue()
         first_token = asyncio.Event()
 
@@ -108,9 +146,8 @@ class DisaggregatedBackend:
                 params = dataclasses.replace(prep.params, n=1, seed=seed)
                 if i:
                     await first_token.wait()
-                decode_id = self._pick(subjects.ROLE_DECODE)
                 async for event in self._choice(prep, choice_request_id(prep.request_id, i),
-                                                params, prefill_id, decode_id, pushed):  # fmt: skip
+                                                params, images):  # fmt: skip
                     event.index = i
                     merged.put_nowait(event)
                     first_token.set()
@@ -132,72 +169,109 @@ class DisaggregatedBackend:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _choice(self, prep, rid: str, params, prefill_id: str, decode_id: str,
-                      pushed: dict) -> AsyncIterator[TokenEvent]:  # fmt: skip
-        q: asyncio.Queue = asyncio.Queue()
-        self.streams[rid] = q
+    async def _choice(self, prep, rid: str, params, images: Encodings) -> AsyncIterator[TokenEvent]:
+        """One choice across attempts until it finishes, fails for its own reasons, runs
+        out of instances or of ``migration_limit``."""
+        sent: list[int] = []
+        failed: dict[str, set[str]] = {subjects.ROLE_PREFILL: set(), subjects.ROLE_DECODE: set()}
+        order, attempt, migrations = UpdateOrderer(), 0, 0
+        hint = RouteHint(prep.session_key, block_hashes(prep.prompt_token_ids, _ROUTE_BLOCK_TOKENS))
         try:
-            await self._prefill(prep, rid, params, prefill_id, decode_id, pushed)
-            async for event in self._events(prep, q, prefill_id, decode_id):
-                yield event
+            while True:
+                arid = rid if attempt == 0 else f"{rid}-m{attempt}"
+                self.current[rid] = arid
+                order.begin(len(sent))
+                try:
+                    attempt_events = self._attempt(prep, arid, params, images, sent, failed, order,
+                                                   hint)  # fmt: skip
+                    async for event in attempt_events:
+                        sent.extend(event.token_ids)
+                        yield event
+                    return
+                except WorkerLost as lost:
+                    failed[lost.role].add(lost.instance_id)
+                    migrations += bool(sent)
+                    MIGRATIONS.labels(lost.role, "migration" if sent else "retry").inc()
+                    if migrations > self.api.migration_limit:
+                        raise BackendError("UNAVAILABLE", f"{lost}; gave up after "
+                                           f"{self.api.migration_limit} migrations") from lost  # fmt: skip
+                    log.warning("request %s moves on after %s tokens: %s", rid, len(sent), lost)
+                attempt += 1
         finally:
-            self.streams.pop(rid, None)
+            self.current.pop(rid, None)
 
-    async def _prefill(self, prep, rid: str, params, prefill_id: str, decode_id: str,
-                       pushed: dict) -> None:  # fmt: skip
+    async def _attempt(self, prep, arid, params, images, sent, failed, order,
+                       hint) -> AsyncIterator[TokenEvent]:  # fmt: skip
+        decode = self.router.pick(subjects.ROLE_DECODE, exclude=failed[subjects.ROLE_DECODE])
+        try:
+            prefill = self.router.pick(subjects.ROLE_PREFILL, exclude=failed[subjects.ROLE_PREFILL],
+                                       hint=hint)  # fmt: skip
+        except BaseException:
+            decode.release()
+            raise
+        route = Route(prefill.instance_id, decode.instance_id, len(sent))
+        self.routes[arid] = route
+        finished = False
+        try:
+            pushed = await images.for_prefill(prefill.instance_id)
+            await self._prefill(prep, arid, params, pushed, sent, prefill, decode)
+            async for event in stream_updates(route, order, prep.deadline,
+                                              self.config.stall_timeout_s, self.alive):  # fmt: skip
+                if not prefill.released:
+                    self.router.succeeded(subjects.ROLE_PREFILL, prefill.instance_id)
+                    prefill.release()
+                finished = event.finish_reason is not None
+                yield event
+            self.router.succeeded(subjects.ROLE_DECODE, decode.instance_id)
+        except WorkerLost as lost:
+            (prefill if lost.role == subjects.ROLE_PREFILL else decode).failed()
+            raise
+        finally:
+            self.routes.pop(arid, None)
+            prefill.release()
+            decode.release()
+            if not finished:  # failed, moved on or abandoned: free its workers
+                self._spawn_abort(arid, "unfinished")
+
+    async def _prefill(self, prep, arid: str, params, pushed: dict, sent: list[int],
+                       prefill: Lease, decode: Lease) -> None:  # fmt: skip
+        """Admission on the prefill instance."""
+        pid = prefill.instance_id
         spans = spans_to_proto(prep.spans, self.encoder.keys_for(prep))
         for span in spans:
             if span.image_hash in pushed:
                 span.embedding_ref.CopyFrom(pushed[span.image_hash])
         req = bus_pb2.PrefillRequest(
-            request_id=rid, gateway_id=self.gateway_id, decode_instance_id=decode_id,
+            request_id=arid, gateway_id=self.gateway_id, decode_instance_id=decode.instance_id,
             prompt_token_ids=prep.prompt_token_ids, image_spans=spans,
             sampling=params_to_proto(params), deadline_unix_ms=int(prep.deadline * 1000),
             eos_token_ids=self.eos, max_model_len=self.info.max_model_len,
+            output_token_ids=sent,
         )  # fmt: skip
+        ask = self.bus.request(subjects.prefill(pid), req, bus_pb2.PrefillReply,
+                               self.config.bus_timeout_s)  # fmt: skip
         try:
-            reply = await self.bus.request(subjects.prefill(prefill_id), req, bus_pb2.PrefillReply,
-                                           self.config.bus_timeout_s)  # fmt: skip
-        except NoResponders as e:
-            raise BackendError("UNAVAILABLE", f"prefill instance {prefill_id} is gone") from e
+            reply = await while_alive(
+                ask, lambda: self.alive(subjects.ROLE_PREFILL, pid),
+                lambda: WorkerLost(subjects.ROLE_PREFILL, pid, "went away during admission"),
+            )  # fmt: skip
         except BusError as e:
-            raise BackendError("UNAVAILABLE", f"prefill instance {prefill_id} failed: {e}") from e
+            raise WorkerLost(subjects.ROLE_PREFILL, pid, f"dispatch failed: {e}") from e
         if reply.HasField("error"):
-            raise BackendError(STATUS.get(reply.error.code, "INTERNAL"), reply.error.message)
+            code = STATUS.get(reply.error.code, "INTERNAL")
+            if code in RETRYABLE:
+                raise WorkerLost(subjects.ROLE_PREFILL, pid, reply.error.message)
+            raise BackendError(code, reply.error.message)
 
-    async def _events(self, prep, q, prefill_id, decode_id) -> AsyncIterator[TokenEvent]:
-        order = UpdateOrderer()
-        last = time.monotonic()
-        while True:
-            try:
-                upd = await asyncio.wait_for(q.get(), _LIVENESS_TICK_S)
-            except TimeoutError:
-                self._check_alive(prep, order, prefill_id, decode_id, last)
-                continue
-            last = time.monotonic()
-            for ready in order.push(upd):
-                if ready.HasField("error"):
-                    raise BackendError(
-                        STATUS.get(ready.error.code, "INTERNAL"), ready.error.message
-                    )
-                event = order.event(ready)
-                yield event
-                if event.finish_reason is not None:
-                    return
+    def _spawn_abort(self, rid: str, reason: str) -> None:
+        task = asyncio.ensure_future(self._publish_abort(rid, reason))
+        task.add_done_callback(lambda t: t.exception())
 
-    def _check_alive(self, prep, order, prefill_id, decode_id, last: float) -> None:
-        now = time.monotonic()
-        if time.time() > prep.deadline:
-            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
-        worker, role = (decode_id, "decode") if order.started else (prefill_id, "prefill")
-        live = {i.instance_id for i in self.registry.live(role, include_draining=True)}
-        if worker not in live:
-            raise BackendError("UNAVAILABLE", f"{role} instance {worker} went away mid-request")
-        if now - last > self.config.stall_timeout_s:
-            raise BackendError(
-                "UNAVAILABLE",
-                f"no tokens for {self.config.stall_timeout_s:.0f}s from {role} {worker}",
-            )
+    async def _publish_abort(self, rid: str, reason: str) -> None:
+        try:
+            await self.bus.publish(subjects.ABORT, bus_pb2.Abort(request_id=rid, reason=reason))
+        except BusError as e:
+            log.warning("abort of %s not sent: %s", rid, e)
 
     async def abort(self, prep: PreparedRequest, index: int | None = None) -> None:
         """Abort the request (every choice) or one choice on every service."""
@@ -209,9 +283,4 @@ class DisaggregatedBackend:
             if index is not None and index < len(tasks):
                 tasks[index].cancel()
         for rid in ids:
-            try:
-                await self.bus.publish(
-                    subjects.ABORT, bus_pb2.Abort(request_id=rid, reason="client")
-                )
-            except BusError as e:
-                log.warning("abort of %s not sent: %s", rid, e)
+            await self._publish_abort(self.current.get(rid, rid), "client")

@@ -1,8 +1,10 @@
 """Step 3 of the request path: make sure every image of a request has an embedding.
 
-Each distinct image goes to ``epd.encode.<model>`` (any encoder replica of the model);
-the encoder answers from Redis when the image is known, so a repeated image costs one
-Redis GET there and no tower pass. The gateway itself needs no Redis connection.
+Each distinct image goes to an encoder the router picks (``epd.encoder.<id>``); the
+encoder answers from Redis when the image is known, so a repeated image costs one Redis
+GET there and no tower pass. The gateway itself needs no Redis connection. An encoder
+that dies, refuses or goes silent mid-encode is left for another one at once (the
+gateway watches its heartbeats while it waits).
 
 An image too large for one bus message is never shipped blindly: the gateway first
 asks by hash alone; only when no embedding is cached does it send the bytes (chunked,
@@ -14,29 +16,36 @@ it (a blob there); the gateway only passes the reference on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Callable
 
 from cache_svc.keys import embedding_key
+from gateway.attempt import RETRYABLE, WorkerLost, while_alive
 from gateway.events import BackendError
 from gateway.prepare import PreparedRequest
+from gateway.router import Router
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.blobs import fits_inline, send_blob
 from services.bus.connection import Bus
-from services.bus.errors import BusError, NoResponders
+from services.bus.errors import BusError
 from services.wire import STATUS
+
+log = logging.getLogger(__name__)
 
 
 class ImageEncoder:
-    """``pick_encoder()`` names the encoder instance that gets a large image."""
+    """Encodes a request's images on encoders chosen by ``router``; ``alive(role, id)``
+    says whether an instance still beats."""
 
-    def __init__(self, bus: Bus, fingerprint: str, timeout_s: float,
-                 pick_encoder: Callable[[], str]):  # fmt: skip
+    def __init__(self, bus: Bus, fingerprint: str, timeout_s: float, router: Router,
+                 alive: Callable[[str, str], bool]):  # fmt: skip
         self.bus = bus
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
-        self.pick_encoder = pick_encoder
+        self.router = router
+        self.alive = alive
 
     def keys_for(self, prep: PreparedRequest) -> dict[str, str]:
         return {s.image_hash: embedding_key(self.fingerprint, s.image_hash) for s in prep.spans}
@@ -53,31 +62,54 @@ class ImageEncoder:
         return {h: ref for h, ref in results if ref is not None}
 
     async def _one(self, prep: PreparedRequest, digest: str, image: bytes, prefill_id: str):
+        """One image, on one encoder after another until one answers."""
+        failed: set[str] = set()
+        while True:
+            lease = self.router.pick(subjects.ROLE_ENCODE, exclude=failed)
+            try:
+                reply = await self._on(lease.instance_id, prep, digest, image, prefill_id)
+            except WorkerLost as lost:
+                lease.failed()
+                failed.add(lease.instance_id)
+                log.warning("image %s moves on: %s", digest[:12], lost)
+                continue
+            finally:
+                lease.release()
+            self.router.succeeded(subjects.ROLE_ENCODE, lease.instance_id)
+            return digest, (reply.embedding_ref if reply.HasField("embedding_ref") else None)
+
+    async def _on(self, encoder_id: str, prep: PreparedRequest, digest: str, image: bytes,
+                  prefill_id: str) -> bus_pb2.EncodeReply:  # fmt: skip
         req = bus_pb2.EncodeRequest(request_id=prep.request_id, model_fingerprint=self.fingerprint,
                                     image_hash=digest, deadline_unix_ms=int(prep.deadline * 1000),
                                     prefill_instance_id=prefill_id,
                                     embedding_transfer_id=f"emb-{uuid.uuid4().hex}")  # fmt: skip
         if fits_inline(self.bus, len(image)):
             req.image = image
-        reply = await self._ask(subjects.encode(self.fingerprint), req)
-        if reply.need_image:  # large and not cached: send the bytes to one encoder
-            encoder_id = self.pick_encoder()
+        reply = await self._ask(encoder_id, req)
+        if reply.need_image:  # large and not cached: send the bytes first
             try:
                 ref = await send_blob(self.bus, encoder_id, image, self.timeout_s)
             except BusError as e:
-                raise BackendError("UNAVAILABLE", f"sending the image failed: {e}") from e
+                raise WorkerLost(subjects.ROLE_ENCODE, encoder_id, f"image send: {e}") from e
             req.image_ref.CopyFrom(ref)
-            reply = await self._ask(subjects.encoder(encoder_id), req)
+            reply = await self._ask(encoder_id, req)
         if reply.HasField("error"):
-            raise BackendError(STATUS.get(reply.error.code, "INTERNAL"), reply.error.message)
+            code = STATUS.get(reply.error.code, "INTERNAL")
+            if code in RETRYABLE:
+                raise WorkerLost(subjects.ROLE_ENCODE, encoder_id, reply.error.message)
+            raise BackendError(code, reply.error.message)
         if reply.need_image:
             raise BackendError("INTERNAL", "the encoder asked again for an image it was sent")
-        return digest, (reply.embedding_ref if reply.HasField("embedding_ref") else None)
+        return reply
 
-    async def _ask(self, subject: str, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
+    async def _ask(self, encoder_id: str, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
+        ask = self.bus.request(subjects.encoder(encoder_id), req, bus_pb2.EncodeReply,
+                               self.timeout_s)  # fmt: skip
         try:
-            return await self.bus.request(subject, req, bus_pb2.EncodeReply, self.timeout_s)
-        except NoResponders as e:
-            raise BackendError("UNAVAILABLE", "no encoder instance is serving") from e
+            return await while_alive(
+                ask, lambda: self.alive(subjects.ROLE_ENCODE, encoder_id),
+                lambda: WorkerLost(subjects.ROLE_ENCODE, encoder_id, "went away mid-encode"),
+            )  # fmt: skip
         except BusError as e:
-            raise BackendError("UNAVAILABLE", f"encoding failed: {e}") from e
+            raise WorkerLost(subjects.ROLE_ENCODE, encoder_id, f"encode failed: {e}") from e

@@ -93,6 +93,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 request_id=request.request_id if request.HasField("request_id") else None,
                 cache_opt_out=request.cache_opt_out, cache_mode=mode,
                 tenant=meta.get("x-epd-user", ""),
+                session_key=meta.get("x-session-id") or meta.get("x-epd-user", ""),
             )  # fmt: skip
         except Exception as e:
             await _abort_with_status(context, "", e)

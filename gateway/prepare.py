@@ -48,6 +48,8 @@ class PreparedRequest:
     cache_mode: str = "default"
     cache_status: str = "miss"  # "hit-exact", "hit-semantic", "miss"
     cache_similarity: float | None = None
+    # Routing affinity (consistent_hash policy): the x-session-id header, else `user`.
+    session_key: str = ""
 
 
 # The x-epd-cache request header: default; no-cache (do not read the semantic cache, store
@@ -86,7 +88,7 @@ class RequestPreparer:
     def prepare(self, *, model: str, params: dict, messages=None, prompt=None, prompt_token_ids=None,
                 images=(), request_id: str | None = None, cache_opt_out: bool = False,
                 add_special_tokens: bool = True, tenant: str = "",
-                cache_mode: str = "default") -> PreparedRequest:  # fmt: skip
+                cache_mode: str = "default", session_key: str = "") -> PreparedRequest:  # fmt: skip
         """``params``: SamplingParams keywords the client set (unset ones take the
         checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
         (bad values), ModelNotFoundError."""
@@ -115,6 +117,7 @@ class RequestPreparer:
             images=raw, spans=processed.spans, prompt_text=prompt,
             deadline=time.time() + self.timeout_s, cache_opt_out=cache_opt_out,
             messages=messages, client_request_id=request_id, tenant=tenant, cache_mode=cache_mode,
+            session_key=session_key,
         )  # fmt: skip
 
     def _check_images(self, images: list) -> None:

@@ -9,15 +9,24 @@ from services.wire import FINISH_FROM_PROTO, logprobs_from_proto
 
 
 class UpdateOrderer:
+    """One choice's updates in order, across its attempts (a migrated request resumes
+    at the offset the client reached)."""
+
     def __init__(self):
         self.next_offset = 0
         self.pending: dict[int, bus_pb2.TokenUpdate] = {}
         self.num_cached_tokens = 0
+        self.attempt_start = 0
+
+    def begin(self, start: int) -> None:
+        """A new attempt whose first token sits at ``start`` (= tokens delivered)."""
+        self.next_offset = self.attempt_start = start
+        self.pending.clear()
 
     @property
     def started(self) -> bool:
-        """The first token has arrived (decode owns the request from then on)."""
-        return self.next_offset > 0
+        """The attempt's first token has arrived (decode owns the request from then on)."""
+        return self.next_offset > self.attempt_start
 
     def push(self, upd: bus_pb2.TokenUpdate) -> list[bus_pb2.TokenUpdate]:
         """Updates now in order (an error jumps the queue)."""
@@ -34,7 +43,8 @@ class UpdateOrderer:
         return ready
 
     def event(self, upd: bus_pb2.TokenUpdate) -> TokenEvent:
-        self.num_cached_tokens = max(self.num_cached_tokens, upd.num_cached_tokens)
+        if self.attempt_start == 0:  # a resumed prefill's cache hits are not the client's
+            self.num_cached_tokens = max(self.num_cached_tokens, upd.num_cached_tokens)
         lps = [
             logprobs_from_proto(t, lp) for t, lp in zip(upd.token_ids, upd.logprobs, strict=False)
         ]

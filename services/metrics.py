@@ -34,3 +34,11 @@ SEMANTIC_CACHE_STORES = Counter("epd_semantic_cache_stores_total", "Answers stor
 GATEWAY_CACHE = Counter("epd_gateway_cache_requests_total",
                         "Requests by semantic-cache outcome at the gateway "
                         "(hit_exact, hit_semantic, miss, skipped, unavailable)", ["outcome"])  # fmt: skip
+MIGRATIONS = Counter("epd_gateway_request_moves_total",
+                     "Requests moved off a failed worker: retries (nothing sent yet) and "
+                     "migrations (mid-stream), by the failed worker's role",
+                     ["role", "kind"])  # fmt: skip
+DROPPED_UPDATES = Counter(
+    "epd_gateway_dropped_updates_total",
+    "Token updates from an instance that does not hold the request",
+)

@@ -49,7 +49,8 @@ async def chat_completion(core: GatewayCore, media: MediaLoader, req: ChatComple
     core.check_capacity()
     prep = await core.prepare(model=req.model or "", params=params, messages=messages,
                               request_id=call.client_id, tenant=call.tenant(req.user),
-                              cache_mode=call.cache_mode)  # fmt: skip
+                              cache_mode=call.cache_mode,
+                              session_key=call.session or req.user or "")  # fmt: skip
     run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run.respond(req.stream, include_usage, call.headers)

@@ -59,7 +59,8 @@ async def completion(core: GatewayCore, req: CompletionRequest, call: Call) -> R
         preps.append(await core.prepare(model=req.model or "", params=params, prompt=text,
                                         prompt_token_ids=ids, request_id=call.client_id,
                                         tenant=call.tenant(req.user),
-                                        cache_mode=call.cache_mode))  # fmt: skip
+                                        cache_mode=call.cache_mode,
+                                        session_key=call.session or req.user or ""))  # fmt: skip
     echo = None
     if req.echo:
         echo = [p.prompt_text if p.prompt_text is not None

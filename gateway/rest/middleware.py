@@ -28,13 +28,15 @@ class Call:
     headers: dict  # for the response
     cache_mode: str  # the x-epd-cache header: default, no-cache, no-store or bypass
     api_key: str  # the bearer token that passed (part of the cache tenant), or ""
+    session: str = ""  # the x-session-id header: the consistent_hash routing key
 
     @classmethod
     def of(cls, request: Request, headers: dict) -> Call:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else ""
         return cls(request.headers.get("x-request-id"), headers,
-                   request.headers.get("x-epd-cache", "default").strip().lower(), key)  # fmt: skip
+                   request.headers.get("x-epd-cache", "default").strip().lower(), key,
+                   request.headers.get("x-session-id", ""))  # fmt: skip
 
     def tenant(self, user: str | None) -> str:
         """Whose cached answers this call may share: its API key's, and its ``user``'s."""

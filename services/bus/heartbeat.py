@@ -1,10 +1,9 @@
 """Heartbeats carrying load, and the registry of live instances that routers read.
 
 Every instance publishes a Heartbeat each ``interval_s`` on ``epd.hb.<role>.<id>``.
-An InstanceRegistry keeps the latest one per instance, forgets instances silent for
-``expiry_s`` (local receive time, so sender clock skew does not matter), and picks the
-least-loaded live instance. Between heartbeats it counts its own picks against the
-chosen instance, so a burst of requests spreads instead of piling onto one.
+An InstanceRegistry keeps the latest one per instance and forgets instances silent for
+``expiry_s`` (local receive time, so sender clock skew does not matter). Choosing among
+them is the gateway's router (gateway/router.py).
 """
 
 from __future__ import annotations
@@ -115,14 +114,6 @@ class InstanceInfo:
     model: str
     # Local monotonic time the last heartbeat arrived.
     last_seen: float
-    # Picks by this registry since that heartbeat (not yet reflected in `load`).
-    assigned: int = 0
-
-    def score(self) -> tuple[int, float]:
-        """Lower is less loaded: queued work first, then KV cache usage."""
-        load = self.load
-        used = 1.0 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
-        return load.running + load.waiting + self.assigned, used
 
 
 class InstanceRegistry:
@@ -144,7 +135,6 @@ class InstanceRegistry:
         self._expiry_s = expiry_s
         self._clock = clock
         self._instances: dict[str, dict[str, InstanceInfo]] = {r: {} for r in self._roles}
-        self._rr: dict[str, int] = dict.fromkeys(self._roles, 0)
         self._subs: list[Subscription] = []
         self._changed = asyncio.Event()
 
@@ -181,18 +171,6 @@ class InstanceRegistry:
             del table[iid]
         infos = sorted(table.values(), key=lambda i: i.instance_id)
         return [i for i in infos if include_draining or not i.load.draining]
-
-    def pick_least_loaded(self, role: str, *, model: str | None = None) -> str | None:
-        """Id of the least-loaded live instance (round robin on ties), or None."""
-        candidates = [i for i in self.live(role) if model is None or i.model == model]
-        if not candidates:
-            return None
-        best = min(i.score() for i in candidates)
-        tied = [i for i in candidates if i.score() == best]
-        chosen = tied[self._rr[role] % len(tied)]
-        self._rr[role] += 1
-        chosen.assigned += 1
-        return chosen.instance_id
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Wait until ``predicate()`` holds; re-checked on heartbeats and on expiry ticks."""

@@ -1,5 +1,6 @@
-"""Heartbeats reach the registry, which routes to the least-loaded live instance,
-round-robins ties, drops draining instances at once and silent ones after expiry."""
+"""Heartbeats reach the registry, which drops draining instances at once and silent ones
+after expiry; the gateway's router routes on it to the least-loaded live instance and
+round-robins ties."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections import Counter
 
 import pytest
 
+from gateway.config import GatewayConfig
+from gateway.events import BackendError
+from gateway.router import Router
 from services.bus.heartbeat import HeartbeatPublisher, InstanceRegistry, Load
 from tests.integration.conftest import BusFactory
 
@@ -34,7 +38,9 @@ def _ids(registry: InstanceRegistry) -> set[str]:
 
 async def test_least_loaded_with_round_robin_on_ties(bus_factory: BusFactory) -> None:
     registry = await _registry(bus_factory)
-    assert registry.pick_least_loaded("decode") is None
+    router = Router(registry, "demo", GatewayConfig(router_policy="least_loaded"))
+    with pytest.raises(BackendError, match="no live decode"):
+        router.pick("decode")
     busy = Load(running=8, waiting=2, free_kv_blocks=10, total_kv_blocks=100)
     idle = Load(running=1, free_kv_blocks=90, total_kv_blocks=100)
     pubs = [
@@ -46,9 +52,10 @@ async def test_least_loaded_with_round_robin_on_ties(bus_factory: BusFactory) ->
     info = {i.instance_id: i for i in registry.live("decode")}
     assert info["d-busy"].load == busy and info["d-a"].model == "demo"
     assert registry.live("prefill") == []
-    picks = Counter(registry.pick_least_loaded("decode") for _ in range(4))
+    picks = Counter(router.pick("decode").instance_id for _ in range(4))
     assert picks == Counter({"d-a": 2, "d-b": 2})  # ties alternate, busy never chosen
-    assert registry.pick_least_loaded("decode", model="other") is None
+    with pytest.raises(BackendError):
+        Router(registry, "other", GatewayConfig()).pick("decode")
     for pub in pubs:
         await pub.stop()
 
@@ -70,7 +77,7 @@ async def test_silent_instance_expires(bus_factory: BusFactory) -> None:
     await registry.wait_for(lambda: _ids(registry) == {"d-keep", "d-gone"}, timeout_s=5)
     await gone.stop(announce=False)  # crashes: no goodbye, just silence
     await registry.wait_for(lambda: _ids(registry) == {"d-keep"}, timeout_s=EXPIRY_S * 10)
-    assert registry.pick_least_loaded("decode") == "d-keep"
+    assert Router(registry, "demo", GatewayConfig()).pick("decode").instance_id == "d-keep"
     await keep.stop()
 
 

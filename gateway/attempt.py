@@ -1,0 +1,116 @@
+"""One attempt of one choice on the fleet: prefill on one instance, decode on another.
+
+An attempt ends with the request finished, with a ``BackendError`` (the request itself
+is at fault, or its deadline passed), or with ``WorkerLost``: the worker holding it is
+gone or refused it, and the choice may continue elsewhere (gateway/disaggregated.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from gateway.events import BackendError, TokenEvent
+from gateway.reorder import UpdateOrderer
+from protos.epd_pb import bus_pb2
+from services.bus import subjects
+from services.wire import STATUS
+
+# How often a waiting request checks that its workers are still alive.
+LIVENESS_TICK_S = 0.25
+# Failures that say "this worker cannot do it now", not "this request is wrong".
+RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
+
+
+class WorkerLost(Exception):
+    """The ``role`` worker of an attempt died, stalled or refused; try another."""
+
+    def __init__(self, role: str, instance_id: str, reason: str):
+        super().__init__(f"{role} instance {instance_id}: {reason}")
+        self.role, self.instance_id = role, instance_id
+
+
+@dataclass
+class Route:
+    """Where an attempt's token updates may come from, and where they go."""
+
+    prefill_id: str
+    decode_id: str
+    # Offset of the attempt's first token (tokens the client had before it).
+    start: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Decode has sent something: the hand-off is over, prefill no longer matters.
+    decode_spoke: bool = False
+
+    def accepts(self, sender: str, upd: bus_pb2.TokenUpdate) -> bool:
+        """Only the assigned workers speak for the request: prefill its first token
+        (or a failure), decode the rest."""
+        if upd.HasField("error"):
+            return sender in (self.prefill_id, self.decode_id)
+        if sender == self.prefill_id:
+            return upd.offset == self.start
+        return sender == self.decode_id and upd.offset >= self.start
+
+
+async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost]):
+    """Await ``aw``; raise ``lost()`` as soon as ``alive()`` turns false."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LIVENESS_TICK_S)
+            if done:
+                return task.result()
+            if not alive():
+                raise lost()
+    finally:
+        task.cancel()
+
+
+def update_error(upd: bus_pb2.TokenUpdate, route: Route, sender: str, started: bool):
+    """The exception an error update stands for: WorkerLost when another instance may
+    succeed (the decode is blamed once prefill sent the token: the hand-off failed)."""
+    code = STATUS.get(upd.error.code, "INTERNAL")
+    if code not in RETRYABLE:
+        return BackendError(code, upd.error.message)
+    if sender == route.decode_id or started:
+        return WorkerLost(subjects.ROLE_DECODE, route.decode_id, upd.error.message)
+    return WorkerLost(subjects.ROLE_PREFILL, route.prefill_id, upd.error.message)
+
+
+async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
+                         alive: Callable[[str, str], bool]) -> AsyncIterator[TokenEvent]:  # fmt: skip
+    """The attempt's events in order, until it finishes or fails."""
+    last = time.monotonic()
+    while True:
+        try:
+            sender, upd = await asyncio.wait_for(route.queue.get(), LIVENESS_TICK_S)
+        except TimeoutError:
+            _check(route, order, deadline, stall_s, alive, last)
+            continue
+        last = time.monotonic()
+        route.decode_spoke |= sender == route.decode_id
+        if upd.HasField("error"):
+            raise update_error(upd, route, sender, order.started)
+        for ready in order.push(upd):
+            event = order.event(ready)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
+           alive: Callable[[str, str], bool], last: float) -> None:  # fmt: skip
+    if time.time() > deadline:
+        raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
+    # Prefill holds the request until its first token, and the KV until decode speaks.
+    watched = [] if route.decode_spoke else [(subjects.ROLE_PREFILL, route.prefill_id)]
+    if order.started or route.decode_spoke:
+        watched.append((subjects.ROLE_DECODE, route.decode_id))
+    for role, worker in watched:
+        if not alive(role, worker):
+            raise WorkerLost(role, worker, "went away mid-request")
+    role, worker = watched[-1]
+    if time.monotonic() - last > stall_s:
+        raise WorkerLost(role, worker, f"no tokens for {stall_s:.0f}s")
