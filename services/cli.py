@@ -48,6 +48,13 @@ def _service_args(p: argparse.ArgumentParser) -> None:
                         "'.example.com' admits subdomains)")  # fmt: skip
     a.add_argument("--allowed-local-media-path", default=None,
                    help="folder under which file:// image URLs may be read")  # fmt: skip
+    a.add_argument("--router-policy", default=None,
+                   help="least_loaded | power_of_two | round_robin | random | consistent_hash "
+                        "| prefix_aware (default)")  # fmt: skip
+    a.add_argument("--migration-limit", type=int, default=None,
+                   help="times a request may move off a dead worker mid-stream (3)")  # fmt: skip
+    a.add_argument("--max-inflight-per-instance", type=int, default=None,
+                   help="this gateway's requests on one instance before it counts as full")  # fmt: skip
     c = p.add_argument_group("semantic response cache (cache, gateway, all, up)")
     c.add_argument("--cache-threshold", type=float, default=None,
                    help="cosine above which a stored question answers a new one (0.80)")  # fmt: skip
@@ -77,7 +84,8 @@ def service_config(args):
 def gateway_config(args):
     from gateway.config import GatewayConfig
 
-    keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path")
+    keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path",
+            "router_policy", "migration_limit", "max_inflight_per_instance")  # fmt: skip
     return GatewayConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 

@@ -84,7 +84,7 @@ def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
     nats = start_nats(port=int(cfg.nats_url.rsplit(":", 1)[1]))
     redis = start_redis(port=int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0]), maxmemory="1gb")
     cfg = dataclasses.replace(cfg, nats_url=nats.url, redis_url=redis.url)
-    env = _env(engine, gateway, cache)
+    env = _env(engine, gateway, cache, cfg)  # credentials reach the children, not argv
     children: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
