@@ -202,7 +202,9 @@ class DisaggregatedBackend:
 
     async def _attempt(self, prep, arid, params, images, sent, failed, order,
                        hint) -> AsyncIterator[TokenEvent]:  # fmt: skip
-        decode = self.router.pick(subjects.ROLE_DECODE, exclude=failed[subjects.ROLE_DECODE])
+        # Decode imports its KV: only the session key matters there, not prefix locality.
+        decode = self.router.pick(subjects.ROLE_DECODE, exclude=failed[subjects.ROLE_DECODE],
+                                  hint=RouteHint(hint.session_key))  # fmt: skip
         try:
             prefill = self.router.pick(subjects.ROLE_PREFILL, exclude=failed[subjects.ROLE_PREFILL],
                                        hint=hint)  # fmt: skip
