@@ -12,7 +12,7 @@ import logging
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.codec import dtype_name
-from services.bus.deadline import timeout_for
+from services.bus.deadline import remaining_s, timeout_for
 from services.bus.errors import BusError
 from services.bus.handlers import Incoming
 from services.config import EngineConfig, ServiceConfig
@@ -116,12 +116,18 @@ class DecodeService(EngineService):
             req = self.routes.get(out.request_id)
             if req is None:
                 continue
-            if out.finished:
+            upd = self._update(req, out)
+            if not out.finished and req.deadline_unix_ms and remaining_s(req.deadline_unix_ms) <= 0:
+                # Past its deadline the gateway has given up: stop spending steps on it.
+                upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_DEADLINE_EXCEEDED,
+                                         "the request ran past its deadline"))  # fmt: skip
+                self._spawn(self.engine.abort(out.request_id))
+            if out.finished or upd.HasField("error"):
                 self.routes.pop(out.request_id, None)
             batch = batches.setdefault(
                 req.gateway_id, bus_pb2.TokenBatch(instance_id=self.instance_id, step=self.step)
             )
-            batch.updates.append(self._update(req, out))
+            batch.updates.append(upd)
         for gateway_id, batch in batches.items():
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 

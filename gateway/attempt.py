@@ -90,6 +90,8 @@ async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, st
             _check(route, order, deadline, stall_s, alive, last)
             continue
         last = time.monotonic()
+        if time.time() > deadline:  # checked on every update too: a stream never outlives it
+            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
         route.decode_spoke |= sender == route.decode_id
         if upd.HasField("error"):
             raise update_error(upd, route, sender, order.started)

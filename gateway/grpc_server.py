@@ -84,7 +84,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         mode = "bypass" if request.cache_opt_out else meta.get("x-epd-cache", "default").lower()
         try:
             self.core.check_capacity()
-            return await self.core.prepare(
+            prep = await self.core.prepare(
                 model=request.model, params=params_kwargs(request.sampling),
                 messages=_messages(request.chat) if which == "chat" else None,
                 prompt=request.prompt if which == "prompt" else None,
@@ -97,6 +97,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )  # fmt: skip
         except Exception as e:
             await _abort_with_status(context, "", e)
+        left = context.time_remaining()
+        if left is not None:  # the client's own deadline, when sooner, binds every hop
+            prep.deadline = min(prep.deadline, time.time() + left)
+        return prep
 
     def _response(self, prep, delta: Delta, streams) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(

@@ -70,3 +70,18 @@ async def _crash(decode) -> None:
         await decode.heartbeat._task
     await decode.bus.client.close()
     decode.routes.clear()
+
+
+async def test_a_client_deadline_binds_every_hop(stack):
+    """The gRPC deadline becomes the request's: the client gets DEADLINE_EXCEEDED and the
+    decode instance stops spending steps on it (no orphan generating to max_tokens)."""
+    req = request("long answer please", max_tokens=1900, ignore_eos=True)
+    got = 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for resp in stack.stub.Generate(req, timeout=0.6):
+            got += len(resp.token_ids)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and got < 1900
+    live = [d for d in stack.decodes if not d.bus.client.is_closed]
+    await stack.gateway.core.backend.registry.wait_for(
+        lambda: all(d.engine.load()["running"] == 0 for d in live), timeout_s=5
+    )
