@@ -50,6 +50,36 @@ class DecodeService(EngineService):
         # Served while draining: a hand-off continues a request admitted before the drain.
         await self.serve_work(subjects.decode(self.instance_id), self._on_decode,
                               while_draining=True)  # fmt: skip
+        # Conditional disaggregation: a short text prompt prefills here, no KV transfer.
+        await self.serve_work(subjects.prefill(self.instance_id), self._on_local_prefill,
+                              bus_pb2.PrefillReply)  # fmt: skip
+
+    async def _on_local_prefill(self, msg: Incoming) -> None:
+        req = msg.decode(bus_pb2.PrefillRequest)
+        reply = bus_pb2.PrefillReply(request_id=req.request_id)
+        problem = await self._prefill_here(req)
+        if problem is not None:
+            reply.error.CopyFrom(problem)
+        await msg.respond(reply)
+
+    async def _prefill_here(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
+        rid, llm = req.request_id, self.engine.engine
+        if req.image_spans or req.decode_instance_id != self.instance_id:
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT,
+                         "a decode instance prefills only text prompts it decodes itself")  # fmt: skip
+        if rid in self.aborted:
+            return error(bus_pb2.ERROR_CODE_ABORTED, f"request {rid} was aborted")
+        self.routes[rid] = req
+        try:
+            params = params_from_proto(req.sampling)
+            await self.engine.call(lambda: llm.add_request(
+                rid, {"prompt_token_ids": list(req.prompt_token_ids)}, params,
+                resume=list(req.output_token_ids),
+            ))  # fmt: skip
+        except (ValueError, MemoryError) as e:
+            self.routes.pop(rid, None)
+            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        return None
 
     async def _on_decode(self, msg: Incoming) -> None:
         req = msg.decode(bus_pb2.DecodeRequest)
@@ -132,11 +162,12 @@ class DecodeService(EngineService):
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 
     @staticmethod
-    def _update(req: bus_pb2.DecodeRequest, out) -> bus_pb2.TokenUpdate:
+    def _update(req: bus_pb2.DecodeRequest | bus_pb2.PrefillRequest, out) -> bus_pb2.TokenUpdate:
         comp = out.outputs[0]
         new = comp.token_ids_delta
         upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=new,
                                   offset=len(comp.token_ids) - len(new),
+                                  num_cached_tokens=out.num_cached_tokens,
                                   finish_reason=FINISH_TO_PROTO[comp.finish_reason])  # fmt: skip
         if comp.logprobs is not None:
             n = req.sampling.logprobs if req.sampling.HasField("logprobs") else 0

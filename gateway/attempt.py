@@ -43,15 +43,17 @@ class Route:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Decode has sent something: the hand-off is over, prefill no longer matters.
     decode_spoke: bool = False
+    # Conditional disaggregation: the decode instance prefills too (prefill_id == decode_id).
+    local: bool = False
 
     def accepts(self, sender: str, upd: bus_pb2.TokenUpdate) -> bool:
         """Only the assigned workers speak for the request: prefill its first token
         (or a failure), decode the rest."""
         if upd.HasField("error"):
             return sender in (self.prefill_id, self.decode_id)
-        if sender == self.prefill_id:
-            return upd.offset == self.start
-        return sender == self.decode_id and upd.offset >= self.start
+        if sender == self.decode_id:
+            return upd.offset >= self.start
+        return sender == self.prefill_id and upd.offset == self.start
 
 
 async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost]):
@@ -107,8 +109,10 @@ def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
     if time.time() > deadline:
         raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
     # Prefill holds the request until its first token, and the KV until decode speaks.
-    watched = [] if route.decode_spoke else [(subjects.ROLE_PREFILL, route.prefill_id)]
-    if order.started or route.decode_spoke:
+    watched = (
+        [] if route.decode_spoke or route.local else [(subjects.ROLE_PREFILL, route.prefill_id)]
+    )
+    if order.started or route.decode_spoke or route.local:
         watched.append((subjects.ROLE_DECODE, route.decode_id))
     for role, worker in watched:
         if not alive(role, worker):

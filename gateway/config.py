@@ -52,6 +52,10 @@ class GatewayConfig(FromEnv):
     # This gateway's requests on one instance (per role) before it counts as full; when
     # every instance of a role is full, new requests get 429 / RESOURCE_EXHAUSTED.
     max_inflight_per_instance: int = 256
+    # Conditional disaggregation (Dynamo's): a text prompt whose part not cached on the
+    # chosen decode instance is at most this many tokens prefills on that instance,
+    # skipping the prefill hop and the KV transfer. 0: always disaggregate.
+    max_local_prefill_tokens: int = 0
     # Circuit breaker: an instance that failed this many dispatches in a row is skipped
     # for breaker_cooloff_s.
     breaker_failures: int = 3
@@ -69,8 +73,8 @@ class GatewayConfig(FromEnv):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.media_timeout_s <= 0 or self.breaker_cooloff_s <= 0:
             raise ValueError("media_timeout_s and breaker_cooloff_s must be > 0")
-        if self.migration_limit < 0:
-            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.migration_limit < 0 or self.max_local_prefill_tokens < 0:
+            raise ValueError("migration_limit and max_local_prefill_tokens must be >= 0")
         if self.router_policy not in POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.router_policy!r}")  # fmt: skip

@@ -23,7 +23,7 @@ from gateway.events import BackendError, TokenEvent
 from gateway.policies import RouteHint, block_hashes
 from gateway.prepare import PreparedRequest
 from gateway.reorder import UpdateOrderer
-from gateway.router import Lease, Router
+from gateway.router import Router
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.errors import BusError
@@ -205,46 +205,67 @@ class DisaggregatedBackend:
         # Decode imports its KV: only the session key matters there, not prefix locality.
         decode = self.router.pick(subjects.ROLE_DECODE, exclude=failed[subjects.ROLE_DECODE],
                                   hint=RouteHint(hint.session_key))  # fmt: skip
-        try:
-            prefill = self.router.pick(subjects.ROLE_PREFILL, exclude=failed[subjects.ROLE_PREFILL],
-                                       hint=hint)  # fmt: skip
-        except BaseException:
-            decode.release()
-            raise
-        route = Route(prefill.instance_id, decode.instance_id, len(sent))
+        prefill = None
+        local = self._prefill_locally(prep, sent, decode.instance_id, hint)
+        if not local:
+            try:
+                prefill = self.router.pick(subjects.ROLE_PREFILL, hint=hint,
+                                           exclude=failed[subjects.ROLE_PREFILL])  # fmt: skip
+            except BaseException:
+                decode.release()
+                raise
+        pid = decode.instance_id if local else prefill.instance_id
+        route = Route(pid, decode.instance_id, len(sent), local=local)
         self.routes[arid] = route
         finished = False
         try:
-            pushed = await images.for_prefill(prefill.instance_id)
-            await self._prefill(prep, arid, params, pushed, sent, prefill, decode)
+            pushed = await images.for_prefill(pid)
+            await self._prefill(prep, arid, params, pushed, sent, route)
             async for event in stream_updates(route, order, prep.deadline,
                                               self.config.stall_timeout_s, self.alive):  # fmt: skip
-                if not prefill.released:
+                if prefill is not None and not prefill.released:
                     self.router.succeeded(subjects.ROLE_PREFILL, prefill.instance_id)
                     prefill.release()
                 finished = event.finish_reason is not None
                 yield event
             self.router.succeeded(subjects.ROLE_DECODE, decode.instance_id)
         except WorkerLost as lost:
-            (prefill if lost.role == subjects.ROLE_PREFILL else decode).failed()
+            (prefill if lost.role == subjects.ROLE_PREFILL and prefill else decode).failed()
             raise
         finally:
             self.routes.pop(arid, None)
-            prefill.release()
+            if prefill is not None:
+                prefill.release()
             decode.release()
             if not finished:  # failed, moved on or abandoned: free its workers
                 self._spawn_abort(arid, "unfinished")
 
+    def _prefill_locally(self, prep, sent: list[int], decode_id: str, hint: RouteHint) -> bool:
+        """Conditional disaggregation (Dynamo's): a text prompt whose part not cached on
+        the decode instance is at most ``max_local_prefill_tokens`` prefills there: a
+        short prefill costs less than a KV transfer and a second hop."""
+        limit = self.api.max_local_prefill_tokens
+        if not limit or prep.spans:
+            return False
+        cached = _ROUTE_BLOCK_TOKENS * self.router.prefix_match(
+            subjects.ROLE_DECODE, decode_id, hint.block_hashes
+        )
+        if len(prep.prompt_token_ids) + len(sent) - cached > limit:
+            return False
+        self.router.note_prefix(subjects.ROLE_DECODE, decode_id, hint.block_hashes)
+        return True
+
     async def _prefill(self, prep, arid: str, params, pushed: dict, sent: list[int],
-                       prefill: Lease, decode: Lease) -> None:  # fmt: skip
-        """Admission on the prefill instance."""
-        pid = prefill.instance_id
+                       route: Route) -> None:  # fmt: skip
+        """Admission on the prefill instance (the decode instance itself when local)."""
+        pid = route.prefill_id
+        role = subjects.ROLE_DECODE if route.local else subjects.ROLE_PREFILL
         spans = spans_to_proto(prep.spans, self.encoder.keys_for(prep))
         for span in spans:
             if span.image_hash in pushed:
                 span.embedding_ref.CopyFrom(pushed[span.image_hash])
         req = bus_pb2.PrefillRequest(
-            request_id=arid, gateway_id=self.gateway_id, decode_instance_id=decode.instance_id,
+            request_id=arid, gateway_id=self.gateway_id, decode_instance_id=route.decode_id,
             prompt_token_ids=prep.prompt_token_ids, image_spans=spans,
             sampling=params_to_proto(params), deadline_unix_ms=int(prep.deadline * 1000),
             eos_token_ids=self.eos, max_model_len=self.info.max_model_len,
@@ -254,15 +275,15 @@ class DisaggregatedBackend:
                                self.config.bus_timeout_s)  # fmt: skip
         try:
             reply = await while_alive(
-                ask, lambda: self.alive(subjects.ROLE_PREFILL, pid),
-                lambda: WorkerLost(subjects.ROLE_PREFILL, pid, "went away during admission"),
+                ask, lambda: self.alive(role, pid),
+                lambda: WorkerLost(role, pid, "went away during admission"),
             )  # fmt: skip
         except BusError as e:
-            raise WorkerLost(subjects.ROLE_PREFILL, pid, f"dispatch failed: {e}") from e
+            raise WorkerLost(role, pid, f"dispatch failed: {e}") from e
         if reply.HasField("error"):
             code = STATUS.get(reply.error.code, "INTERNAL")
             if code in RETRYABLE:
-                raise WorkerLost(subjects.ROLE_PREFILL, pid, reply.error.message)
+                raise WorkerLost(role, pid, reply.error.message)
             raise BackendError(code, reply.error.message)
 
     def _spawn_abort(self, rid: str, reason: str) -> None:

@@ -83,6 +83,13 @@ class Router:
         self._inflight[key] = self._inflight.get(key, 0) + 1
         return Lease(self, role, chosen.instance_id)
 
+    def prefix_match(self, role: str, instance_id: str, hashes) -> int:
+        """Leading blocks of ``hashes`` last routed to the instance (prefix_aware's index)."""
+        return self._policy(role).prefixes.match(instance_id, hashes)
+
+    def note_prefix(self, role: str, instance_id: str, hashes) -> None:
+        self._policy(role).prefixes.record(instance_id, hashes)
+
     def failed(self, role: str, instance_id: str) -> None:
         key = (role, instance_id)
         n = self._failures[key] = self._failures.get(key, 0) + 1

@@ -10,11 +10,18 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from gateway.config import GatewayConfig
 from protos.epd_pb import inference_pb2 as pb
+from protos.epd_pb import inference_pb2_grpc as pbg
 from services.config import EngineConfig
 from services.metrics import IMAGES_ENCODED, KV_BYTES_SENT
 from tests.helpers.checkpoints import random_image
-from tests.integration.stack import start_aggregated, start_disaggregated
+from tests.integration.stack import (
+    service_config,
+    start_aggregated,
+    start_disaggregated,
+    start_gateway,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -263,3 +270,29 @@ async def test_a_rest_client_that_disconnects_aborts_on_every_service(stacks):
         await asyncio.sleep(0.05)
     assert rid in decode.aborted  # the decode instance was told, not left to run 1500 tokens
     assert await _quiescent(disagg, free0)
+
+
+async def test_short_text_prompts_prefill_on_the_decode_instance(stacks, engine_config,
+                                                                 nats_server, redis_server):  # fmt: skip
+    """Conditional disaggregation: same tokens, no KV transfer, no hand-off; image
+    prompts still go through prefill."""
+    disagg, agg = stacks
+    cfg = service_config(nats_server.url, redis_server.url, "gateway-local-t1")
+    gw = await start_gateway(engine_config, cfg, aggregated=False,
+                             api=GatewayConfig(http_port=0, max_local_prefill_tokens=512))  # fmt: skip
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
+    try:
+        stub = pbg.InferenceStub(channel)
+        await gw.core.backend.registry.wait_for(gw.core.backend.ready, timeout_s=10)
+        adopted, sent = sum(d.adopted for d in disagg.decodes), KV_BYTES_SENT._value.get()
+        for text in ("a short question", "another one"):
+            req = chat_request(text, [], max_tokens=20, ignore_eos=True)
+            assert (await collect(stub, req))[0] == (await collect(agg.stub, req))[0]
+        assert sum(d.adopted for d in disagg.decodes) == adopted  # no hand-off happened
+        assert KV_BYTES_SENT._value.get() == sent
+        with_image = chat_request("and this?", [png(11)])
+        assert (await collect(stub, with_image))[0] == (await collect(agg.stub, with_image))[0]
+        assert sum(d.adopted for d in disagg.decodes) == adopted + 1
+    finally:
+        await channel.close()
+        await gw.stop()
