@@ -53,6 +53,9 @@ def _service_args(p: argparse.ArgumentParser) -> None:
                         "| prefix_aware (default)")  # fmt: skip
     a.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move off a dead worker mid-stream (3)")  # fmt: skip
+    a.add_argument("--max-local-prefill-tokens", type=int, default=None,
+                   help="text prompts with at most this many uncached tokens prefill on "
+                        "their decode instance (0: off)")  # fmt: skip
     a.add_argument("--max-inflight-per-instance", type=int, default=None,
                    help="this gateway's requests on one instance before it counts as full")  # fmt: skip
     c = p.add_argument_group("semantic response cache (cache, gateway, all, up)")
@@ -85,7 +88,8 @@ def gateway_config(args):
     from gateway.config import GatewayConfig
 
     keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path",
-            "router_policy", "migration_limit", "max_inflight_per_instance")  # fmt: skip
+            "router_policy", "migration_limit", "max_inflight_per_instance",
+            "max_local_prefill_tokens")  # fmt: skip
     return GatewayConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 
