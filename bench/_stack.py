@@ -52,9 +52,10 @@ class Fleet:
         self.redis = start_redis(host=HOST, maxmemory="512mb")
 
     def spawn(self, role: str, instance: str, log_level: str = "INFO",
-              cpus: set[int] | None = None) -> int:  # fmt: skip
-        """Start ``epd serve <role>`` (on ``cpus`` only, if given); returns its gRPC port
-        (meaningful for gateways; the REST port is ``http_ports[instance]``)."""
+              cpus: set[int] | None = None, env: dict[str, str] | None = None) -> int:  # fmt: skip
+        """Start ``epd serve <role>`` (on ``cpus`` only, if given; ``env``: extra EPD_*
+        settings); returns its gRPC port (meaningful for gateways; the REST port is
+        ``http_ports[instance]``)."""
         assert self.nats is not None and self.redis is not None, "start_servers() first"
         grpc_port = free_port(HOST)
         self.http_ports[instance] = free_port(HOST)
@@ -63,7 +64,7 @@ class Fleet:
                 "--instance-id", instance, "--grpc-port", str(grpc_port),
                 "--http-port", str(self.http_ports[instance])]  # fmt: skip
         # EPD_HOST: the gateway listens on the loopback interface only.
-        env = dict(os.environ, EPD_HOST=HOST, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, EPD_HOST=HOST, PYTHONUNBUFFERED="1", **(env or {}))
         log = self.logdir / f"{instance}.log"
         with open(log, "wb") as out:
             pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None

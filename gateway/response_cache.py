@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -25,6 +26,7 @@ from gateway.stream import OutputStream
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.connection import Bus
+from services.bus.errors import NoResponders
 from services.metrics import GATEWAY_CACHE
 from services.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
 
@@ -47,18 +49,31 @@ class CacheClient(Protocol):
 
 
 class BusCacheClient:
-    """The cache service over NATS (any replica of the queue group)."""
+    """The cache service over NATS (any replica of the queue group).
 
-    def __init__(self, bus: Bus):
-        self.bus = bus
+    After "no responders" it stops asking for ``absent_s``: a fleet run without a cache
+    service must not pay the bus's no-responders grace (a retry window of ~100 ms, for
+    instances that are just subscribing) on every request's first token.
+    """
+
+    def __init__(self, bus: Bus, absent_s: float = 2.0, clock=time.monotonic):
+        self.bus, self.absent_s, self.clock = bus, absent_s, clock
+        self._absent_until = 0.0
 
     async def lookup(self, query, timeout_s):
-        return await self.bus.request(
-            subjects.CACHE_LOOKUP, query, bus_pb2.CacheLookupReply, timeout_s
-        )
+        return await self._ask(subjects.CACHE_LOOKUP, query, bus_pb2.CacheLookupReply, timeout_s)
 
     async def store(self, req, timeout_s):
-        return await self.bus.request(subjects.CACHE_STORE, req, bus_pb2.CacheStoreReply, timeout_s)
+        return await self._ask(subjects.CACHE_STORE, req, bus_pb2.CacheStoreReply, timeout_s)
+
+    async def _ask(self, subject, msg, reply_type, timeout_s):
+        if self.clock() < self._absent_until:
+            raise NoResponders(subject)
+        try:
+            return await self.bus.request(subject, msg, reply_type, timeout_s)
+        except NoResponders:
+            self._absent_until = self.clock() + self.absent_s
+            raise
 
 
 class LocalCacheClient:
