@@ -23,6 +23,8 @@ class GatewayConfig(FromEnv):
     # Most stop strings per request, and the longest one, in characters.
     max_stop: int = 16
     max_stop_chars: int = 256
+    # Most stop_token_ids per request.
+    max_stop_token_ids: int = 256
     # Per request: most images, largest encoded image, most pixels in one image.
     max_images: int = 16
     max_image_bytes: int = 64 << 20
@@ -66,7 +68,7 @@ class GatewayConfig(FromEnv):
         self.allowed_media_domains = tuple(d.lower() for d in self.allowed_media_domains)
         if not 0 <= self.http_port < 65536:
             raise ValueError("http_port must be in 0..65535")
-        for name in ("max_n", "max_stop", "max_stop_chars", "max_images", "max_image_bytes",
+        for name in ("max_n", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_images", "max_image_bytes",
                      "max_image_pixels", "max_body_mb", "max_inflight",
                      "max_inflight_per_instance", "breaker_failures"):  # fmt: skip
             if getattr(self, name) < 1:

@@ -164,6 +164,10 @@ class RequestPreparer:
         stop = [stop] if isinstance(stop, str) else list(stop)
         if len(stop) > lim.max_stop:
             raise InvalidRequest(f"{len(stop)} stop strings; at most {lim.max_stop}", "stop")
+        ids = kw.get("stop_token_ids") or []
+        if len(ids) > lim.max_stop_token_ids:
+            raise InvalidRequest(f"{len(ids)} stop_token_ids; at most {lim.max_stop_token_ids}",
+                                 "stop_token_ids")  # fmt: skip
         if any(isinstance(s, str) and len(s) > lim.max_stop_chars for s in stop):
             raise InvalidRequest(
                 f"a stop string is longer than {lim.max_stop_chars} characters", "stop"

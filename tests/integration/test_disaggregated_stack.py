@@ -296,3 +296,29 @@ async def test_short_text_prompts_prefill_on_the_decode_instance(stacks, engine_
     finally:
         await channel.close()
         await gw.stop()
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"stop": [f"s{i}" for i in range(10_000)]},
+        {"stop_token_ids": list(range(10_000))},
+        {"stop": ["x" * 10_000]},
+        {"n": 10_000},
+        {"logprobs": 10_000},
+    ],  # fmt: skip
+    ids=["stop strings", "stop token ids", "stop length", "n", "logprobs"],
+)
+async def test_unbounded_fields_are_refused_and_the_gateway_keeps_serving(stacks, field):
+    disagg, _ = stacks
+    req = chat_request("bounded", [], max_tokens=3)
+    for name, value in field.items():
+        target = getattr(req.sampling, name)
+        if isinstance(value, list):
+            target.extend(value)
+        else:
+            setattr(req.sampling, name, value)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await disagg.stub.GenerateOnce(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len((await disagg.stub.GenerateOnce(chat_request("still fine", []))).token_ids)
