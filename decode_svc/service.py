@@ -14,7 +14,6 @@ from services.bus import subjects
 from services.bus.codec import dtype_name
 from services.bus.deadline import remaining_s, timeout_for
 from services.bus.errors import BusError
-from services.bus.handlers import Incoming
 from services.config import EngineConfig, ServiceConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine_service import EngineService
@@ -48,19 +47,11 @@ class DecodeService(EngineService):
         self.receiver = NatsKVReceiver(self.bus, self.instance_id, layout)
         await self.receiver.start()
         # Served while draining: a hand-off continues a request admitted before the drain.
-        await self.serve_work(subjects.decode(self.instance_id), self._on_decode,
-                              while_draining=True)  # fmt: skip
+        adopt = self.answering(bus_pb2.DecodeRequest, bus_pb2.DecodeReply, self._adopt)
+        await self.serve_work(subjects.decode(self.instance_id), adopt, while_draining=True)
         # Conditional disaggregation: a short text prompt prefills here, no KV transfer.
-        await self.serve_work(subjects.prefill(self.instance_id), self._on_local_prefill,
-                              bus_pb2.PrefillReply)  # fmt: skip
-
-    async def _on_local_prefill(self, msg: Incoming) -> None:
-        req = msg.decode(bus_pb2.PrefillRequest)
-        reply = bus_pb2.PrefillReply(request_id=req.request_id)
-        problem = await self._prefill_here(req)
-        if problem is not None:
-            reply.error.CopyFrom(problem)
-        await msg.respond(reply)
+        here = self.answering(bus_pb2.PrefillRequest, bus_pb2.PrefillReply, self._prefill_here)
+        await self.serve_work(subjects.prefill(self.instance_id), here, bus_pb2.PrefillReply)
 
     async def _prefill_here(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
         rid, llm = req.request_id, self.engine.engine
@@ -80,14 +71,6 @@ class DecodeService(EngineService):
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         return None
-
-    async def _on_decode(self, msg: Incoming) -> None:
-        req = msg.decode(bus_pb2.DecodeRequest)
-        reply = bus_pb2.DecodeReply(request_id=req.request_id)
-        problem = await self._adopt(req)
-        if problem is not None:
-            reply.error.CopyFrom(problem)
-        await msg.respond(reply)
 
     async def _adopt(self, req: bus_pb2.DecodeRequest) -> bus_pb2.Error | None:
         """Reserve the KV blocks, then take the transfer, then continue the request. Any

@@ -17,7 +17,6 @@ from services.bus import subjects
 from services.bus.blobs import BlobInbox
 from services.bus.deadline import remaining_s, timeout_for
 from services.bus.errors import BusError
-from services.bus.handlers import Incoming
 from services.config import EngineConfig, ServiceConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine_service import EngineService
@@ -41,17 +40,8 @@ class PrefillService(EngineService):
         self.handoff = HandOff(
             self.bus, NatsKVSender(self.bus), self.instance_id, self.config.bus_timeout_s
         )
-        await self.serve_work(
-            subjects.prefill(self.instance_id), self._on_prefill, bus_pb2.PrefillReply
-        )
-
-    async def _on_prefill(self, msg: Incoming) -> None:
-        req = msg.decode(bus_pb2.PrefillRequest)
-        reply = bus_pb2.PrefillReply(request_id=req.request_id)
-        problem = await self._admit(req)
-        if problem is not None:
-            reply.error.CopyFrom(problem)
-        await msg.respond(reply)
+        admit = self.answering(bus_pb2.PrefillRequest, bus_pb2.PrefillReply, self._admit)
+        await self.serve_work(subjects.prefill(self.instance_id), admit, bus_pb2.PrefillReply)
 
     async def _admit(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
         rid = req.request_id

@@ -83,6 +83,21 @@ class EngineService(Service):
         self._on_outputs(outputs)
         self.progressed()  # requests may have finished: a drain re-checks
 
+    @staticmethod
+    def answering(request_type, reply_type, work):
+        """A handler for one request/reply subject: decode ``request_type``, run
+        ``await work(req)`` (an Error or None) and answer ``reply_type`` with it."""
+
+        async def handle(msg: Incoming) -> None:
+            req = msg.decode(request_type)
+            reply = reply_type(request_id=req.request_id)
+            problem = await work(req)
+            if problem is not None:
+                reply.error.CopyFrom(problem)
+            await msg.respond(reply)
+
+        return handle
+
     def _spawn(self, coro: Coroutine[Any, Any, None], owner=None) -> None:
         """Run ``coro`` in the background; ``owner`` (a request with a ``gateway_id``)
         is owed an error if the task is still running when the grace ends."""
