@@ -107,7 +107,7 @@ class EncoderService(Service):
         if emb is not None:
             EMBEDDING_CACHE_HITS.inc()
             reply.num_tokens = emb.shape[0]
-            return reply
+            return await self._push(req, reply, emb) if req.push_to_prefill else reply
         try:
             data = await self._image_bytes(req)
         except BusError as e:
@@ -128,7 +128,7 @@ class EncoderService(Service):
         except ImageError as e:
             return _failed(reply, _INVALID, str(e))
         reply.num_tokens = emb.shape[0]
-        if not stored:  # Redis is down: hand the embedding to its prefill instance
+        if not stored or req.push_to_prefill:  # hand the embedding to its prefill instance
             return await self._push(req, reply, emb)
         return reply
 

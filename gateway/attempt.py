@@ -49,11 +49,12 @@ class Route:
     def accepts(self, sender: str, upd: bus_pb2.TokenUpdate) -> bool:
         """Only the assigned workers speak for the request: prefill its first token
         (or a failure), decode the rest."""
-        if upd.HasField("error"):
-            return sender in (self.prefill_id, self.decode_id)
         if sender == self.decode_id:
-            return upd.offset >= self.start
-        return sender == self.prefill_id and upd.offset == self.start
+            return upd.offset >= self.start or upd.HasField("error")
+        if sender != self.prefill_id or self.decode_spoke:  # prefill is done once decode speaks
+            return False
+        # its first token, or a failure (of the prefill or of the hand-off that follows)
+        return upd.offset == self.start or upd.HasField("error")
 
 
 async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost]):

@@ -43,22 +43,27 @@ log = logging.getLogger(__name__)
 _ROUTE_BLOCK_TOKENS = 16
 
 
+class EmbeddingsMissing(Exception):
+    """The prefill instance could not read an image's embedding."""
+
+
 class Encodings:
     """A request's images, encoded once per prefill instance its choices use (the
     embeddings an encoder pushed to one prefill serve every choice there)."""
 
     def __init__(self, encoder: ImageEncoder, prep: PreparedRequest):
         self.encoder, self.prep = encoder, prep
-        self.by_prefill: dict[str, asyncio.Future] = {}
+        self.by_prefill: dict[tuple[str, bool], asyncio.Future] = {}
 
-    async def for_prefill(self, prefill_id: str) -> dict[str, bus_pb2.BlobRef]:
+    async def for_prefill(self, prefill_id: str, push: bool = False) -> dict[str, bus_pb2.BlobRef]:
+        """``push``: send the embeddings to the prefill instance even if Redis has them."""
         if not self.prep.spans:
             return {}
-        fut = self.by_prefill.get(prefill_id)
+        fut = self.by_prefill.get((prefill_id, push))
         if fut is None:
-            fut = asyncio.ensure_future(self.encoder.encode(self.prep, prefill_id))
+            fut = asyncio.ensure_future(self.encoder.encode(self.prep, prefill_id, push))
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self.by_prefill[prefill_id] = fut
+            self.by_prefill[(prefill_id, push)] = fut
         return await asyncio.shield(fut)  # one choice giving up must not cancel the others'
 
     def cancel(self) -> None:
@@ -219,8 +224,11 @@ class DisaggregatedBackend:
         self.routes[arid] = route
         finished = False
         try:
-            pushed = await images.for_prefill(pid)
-            await self._prefill(prep, arid, params, pushed, sent, route)
+            try:
+                await self._prefill(prep, arid, params, await images.for_prefill(pid), sent, route)
+            except EmbeddingsMissing:  # e.g. evicted from Redis: encoded again, pushed there
+                pushed = await images.for_prefill(pid, push=True)
+                await self._prefill(prep, arid, params, pushed, sent, route, last_try=True)
             async for event in stream_updates(route, order, prep.deadline,
                                               self.config.stall_timeout_s, self.alive):  # fmt: skip
                 if prefill is not None and not prefill.released:
@@ -256,7 +264,7 @@ class DisaggregatedBackend:
         return True
 
     async def _prefill(self, prep, arid: str, params, pushed: dict, sent: list[int],
-                       route: Route) -> None:  # fmt: skip
+                       route: Route, last_try: bool = False) -> None:  # fmt: skip
         """Admission on the prefill instance (the decode instance itself when local)."""
         pid = route.prefill_id
         role = subjects.ROLE_DECODE if route.local else subjects.ROLE_PREFILL
@@ -282,6 +290,8 @@ class DisaggregatedBackend:
             raise WorkerLost(role, pid, f"dispatch failed: {e}") from e
         if reply.HasField("error"):
             code = STATUS.get(reply.error.code, "INTERNAL")
+            if code == "NOT_FOUND" and not last_try:
+                raise EmbeddingsMissing(reply.error.message)
             if code in RETRYABLE:
                 raise WorkerLost(role, pid, reply.error.message)
             raise BackendError(code, reply.error.message)

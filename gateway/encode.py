@@ -50,24 +50,26 @@ class ImageEncoder:
     def keys_for(self, prep: PreparedRequest) -> dict[str, str]:
         return {s.image_hash: embedding_key(self.fingerprint, s.image_hash) for s in prep.spans}
 
-    async def encode(self, prep: PreparedRequest, prefill_id: str) -> dict[str, bus_pb2.BlobRef]:
+    async def encode(self, prep: PreparedRequest, prefill_id: str,
+                     push: bool = False) -> dict[str, bus_pb2.BlobRef]:  # fmt: skip
         """Encode what is missing; returns the embeddings the encoder sent to prefill
-        ``prefill_id`` itself because Redis could not hold them."""
+        ``prefill_id`` itself because Redis could not hold them (every one: ``push``)."""
         unique = {}
         for span, image in zip(prep.spans, prep.images, strict=True):
             unique.setdefault(span.image_hash, image)
         results = await asyncio.gather(
-            *(self._one(prep, h, img, prefill_id) for h, img in unique.items())
+            *(self._one(prep, h, img, prefill_id, push) for h, img in unique.items())
         )
         return {h: ref for h, ref in results if ref is not None}
 
-    async def _one(self, prep: PreparedRequest, digest: str, image: bytes, prefill_id: str):
+    async def _one(self, prep: PreparedRequest, digest: str, image: bytes, prefill_id: str,
+                   push: bool):  # fmt: skip
         """One image, on one encoder after another until one answers."""
         failed: set[str] = set()
         while True:
             lease = self.router.pick(subjects.ROLE_ENCODE, exclude=failed)
             try:
-                reply = await self._on(lease.instance_id, prep, digest, image, prefill_id)
+                reply = await self._on(lease.instance_id, prep, digest, image, prefill_id, push)
             except WorkerLost as lost:
                 lease.failed()
                 failed.add(lease.instance_id)
@@ -79,11 +81,12 @@ class ImageEncoder:
             return digest, (reply.embedding_ref if reply.HasField("embedding_ref") else None)
 
     async def _on(self, encoder_id: str, prep: PreparedRequest, digest: str, image: bytes,
-                  prefill_id: str) -> bus_pb2.EncodeReply:  # fmt: skip
+                  prefill_id: str, push: bool) -> bus_pb2.EncodeReply:  # fmt: skip
         req = bus_pb2.EncodeRequest(request_id=prep.request_id, model_fingerprint=self.fingerprint,
                                     image_hash=digest, deadline_unix_ms=int(prep.deadline * 1000),
                                     prefill_instance_id=prefill_id,
-                                    embedding_transfer_id=f"emb-{uuid.uuid4().hex}")  # fmt: skip
+                                    embedding_transfer_id=f"emb-{uuid.uuid4().hex}",
+                                    push_to_prefill=push)  # fmt: skip
         if fits_inline(self.bus, len(image)):
             req.image = image
         reply = await self._ask(encoder_id, req)

@@ -54,8 +54,8 @@ class PrefillService(EngineService):
             embeds = await self._embeddings(req)
         except ValueError as e:
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
-        except LookupError as e:
-            return error(bus_pb2.ERROR_CODE_UNAVAILABLE, str(e))
+        except LookupError as e:  # the gateway has it encoded again and pushed here
+            return error(bus_pb2.ERROR_CODE_NOT_FOUND, str(e))
         prompt = {"prompt_token_ids": list(req.prompt_token_ids),
                   "image_hashes": [s.image_hash for s in req.image_spans]}  # fmt: skip
         self.routes[rid] = req

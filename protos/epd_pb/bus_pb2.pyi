@@ -69,7 +69,7 @@ class BlobRef(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "image", "image_hash", "deadline_unix_ms", "image_ref", "prefill_instance_id", "embedding_transfer_id")
+    __slots__ = ("request_id", "model_fingerprint", "image", "image_hash", "deadline_unix_ms", "image_ref", "prefill_instance_id", "embedding_transfer_id", "push_to_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class EncodeRequest(_message.Message):
     IMAGE_REF_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TO_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     image: bytes
@@ -86,7 +87,8 @@ class EncodeRequest(_message.Message):
     image_ref: BlobRef
     prefill_instance_id: str
     embedding_transfer_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., image: _Optional[bytes] = ..., image_hash: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., image_ref: _Optional[_Union[BlobRef, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ..., embedding_transfer_id: _Optional[str] = ...) -> None: ...
+    push_to_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., image: _Optional[bytes] = ..., image_hash: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., image_ref: _Optional[_Union[BlobRef, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ..., embedding_transfer_id: _Optional[str] = ..., push_to_prefill: _Optional[bool] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
     __slots__ = ("image_hash", "embedding_key", "num_tokens", "error", "need_image", "embedding_ref")

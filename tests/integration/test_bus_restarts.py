@@ -210,11 +210,6 @@ def _flush(server: ServerProcess) -> None:
         client.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an embedding that leaves Redis between the encoder's write and prefill's read fails "
-    "the request: prefill_svc/service.py _admit answers LookupError with UNAVAILABLE, the "
-    "gateway (gateway/disaggregated.py _choice) retries on another prefill without encoding "
-    "again, and with one prefill gives up with 'no live prefill instance'"))  # fmt: skip
 async def test_an_embedding_lost_before_prefill_reads_it_is_encoded_again(
     tmp_path, nats_server, redis_server
 ):
