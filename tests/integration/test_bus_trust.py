@@ -42,7 +42,7 @@ from services.kv_connector import NatsKVSender
 from services.metrics import DROPPED_UPDATES
 from services.wire import spans_to_proto
 from tests.helpers.checkpoints import random_image
-from tests.integration.stack import start_disaggregated
+from tests.helpers.lenient_stack import start_lenient
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -59,8 +59,10 @@ def engine_config(tmp_path_factory) -> EngineConfig:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(engine_config, nats_server, redis_server):
-    s = await start_disaggregated(engine_config, nats_server.url, redis_server.url, "trust",
-                                  num_decode=1)  # fmt: skip
+    # Default heartbeat and TTL: a late beat under load must not move the streams that
+    # these tests compare token by token (tests/helpers/lenient_stack.py).
+    s = await start_lenient(engine_config, nats_server.url, redis_server.url, "trust",
+                            num_decode=1)  # fmt: skip
     yield s
     await s.stop()
 
@@ -99,12 +101,15 @@ def start_streams(stub, reqs) -> tuple[list[asyncio.Task], list[list[int]]]:
     return [asyncio.create_task(collect(stub, r, g)) for r, g in zip(reqs, got, strict=True)], got
 
 
-async def eventually(predicate, what: str, timeout_s: float = 10.0) -> None:
-    """Poll ``predicate`` (state another thread or connection settles) within a bound."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
-    assert predicate(), what
+async def eventually(predicate, what, timeout_s: float = 10.0) -> None:
+    """Poll ``predicate`` (state another thread or connection settles) within a bound;
+    on timeout fail with ``what`` (a string, or a function that describes the state)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        pytest.fail(what() if callable(what) else what)
 
 
 async def all_started(got: list[list[int]], n: int) -> None:
@@ -264,8 +269,10 @@ async def test_forged_token_batches_change_nothing_in_the_stream(stack, peer):
     # Refused at the door: intruder, the look-alike, both prefill forgeries (prefill is
     # done once decode speaks) and the sentinel; decode's replays pass the door and the
     # orderer drops them as duplicates, the one far past the end waits there unused.
-    await eventually(lambda: DROPPED_UPDATES._value.get() - before == 5,
-                     "the gateway did not count the refused updates")  # fmt: skip
+    await eventually(lambda: DROPPED_UPDATES._value.get() - before >= 5,
+                     lambda: f"refusals counted: {DROPPED_UPDATES._value.get() - before} of 5; "
+                             f"routes now: {gw.core.backend.routes}")  # fmt: skip
+    assert DROPPED_UPDATES._value.get() - before == 5
     assert not stream.done(), "the stream ended before the forgeries arrived: vacuous"
     async with asyncio.timeout(WAIT_S):
         assert await stream == reference

@@ -23,12 +23,9 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from decode_svc.service import DecodeService
-from encoder_svc.service import EncoderService
-from prefill_svc.service import PrefillService
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
-from tests.integration.stack import Stack, service_config, start_gateway
+from tests.helpers.lenient_stack import start_lenient
 
 pytestmark = [
     pytest.mark.slow,
@@ -48,31 +45,13 @@ REQUEST_S = 120.0  # one request that takes longer than this is a hang
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory, nats_server, redis_server):
-    """tests/integration/stack.py's fleet, with the default heartbeat (1 s) and instance
-    TTL (3 s) instead of its 0.2 s / 1 s: every service shares this one event loop, and
-    under 200 streams on a busy 2-core box a beat can come more than 1 s late, which
-    the gateway reads as a dead worker (its requests then fail over, or fail)."""
+    """The in-process fleet with the default heartbeat and TTL (tests/helpers/
+    lenient_stack.py says why: 200 streams on one event loop delay the beats)."""
     engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
                           num_kv_blocks=2048)  # fmt: skip
-
-    def cfg(name: str):
-        c = service_config(nats_server.url, redis_server.url, f"{name}-soak")
-        c.heartbeat_s, c.instance_ttl_s = 1.0, 3.0
-        return c
-
-    s = Stack(None, EncoderService(engine, cfg("encoder")), PrefillService(engine, cfg("prefill")),
-              [DecodeService(engine, cfg(f"decode{i}")) for i in range(2)])  # fmt: skip
-    try:
-        await asyncio.gather(*(svc.start() for svc in (s.encoder, s.prefill, *s.decodes)))
-        s.gateway = await start_gateway(engine, cfg("gateway"), aggregated=False)
-        router = s.gateway.core.backend.router
-        await s.gateway.core.backend.registry.wait_for(
-            lambda: all(router.live(r) for r in ("encode", "prefill")) and
-            len(router.live("decode")) == 2, timeout_s=30)  # fmt: skip
-        s.channel = grpc.aio.insecure_channel(f"127.0.0.1:{s.gateway.grpc_port}")
-        yield s
-    finally:
-        await s.stop()
+    s = await start_lenient(engine, nats_server.url, redis_server.url, "soak")
+    yield s
+    await s.stop()
 
 
 def request(k: int) -> pb.GenerateRequest:
@@ -148,4 +127,5 @@ async def test_200_streams_for_a_minute_without_errors_or_memory_growth(stack):
     assert not wrong, wrong[:3]
     assert done[0] - done_warm >= STREAMS  # every stream kept being served after the mark
     assert growth < RSS_GROWTH_BOUND
-    assert second_half < RSS_SECOND_HALF_BOUND
+    if DURATION_S >= 60:  # shorter runs are still warming up in their second half
+        assert second_half < RSS_SECOND_HALF_BOUND
