@@ -34,7 +34,7 @@ class UpdateOrderer:
             return [upd]
         if upd.offset < self.next_offset:
             return []  # duplicate
-        self.pending[upd.offset] = upd
+        self.pending.setdefault(upd.offset, upd)  # the first word at an offset stands
         ready = []
         while self.next_offset in self.pending:
             u = self.pending.pop(self.next_offset)
