@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from gateway.config import GatewayConfig
+from gateway.dashboard.stats import RollingStats
 from gateway.events import BackendError, TokenEvent
 from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.response_cache import ResponseCache, replay
@@ -48,6 +49,7 @@ class GatewayCore:
         self.tokenizer = preparer.tokenizer
         self.info = preparer.info
         self.inflight = 0
+        self.stats = RollingStats()  # the last minutes, for GET /dashboard
 
     async def prepare(self, **kwargs) -> PreparedRequest:
         """RequestPreparer.prepare, in a thread when the request is large."""
@@ -76,6 +78,7 @@ class GatewayCore:
         self.check_capacity()
         self.inflight += 1
         start, first, outcome = time.perf_counter(), True, "error"
+        first_at: float | None = None
         streams = [OutputStream(prep, self.tokenizer, i) for i in range(prep.params.n)]
         events, workers = await self._source(prep)
         try:
@@ -88,7 +91,7 @@ class GatewayCore:
                     await self.backend.abort(prep, stream.index)
                 if first and delta.token_ids:
                     TTFT.observe(time.perf_counter() - start)
-                    first = False
+                    first, first_at = False, time.perf_counter()
                 if delta.token_ids or delta.text or delta.finish_reason:
                     yield delta, streams
                 if all(s.finished for s in streams):
@@ -101,6 +104,8 @@ class GatewayCore:
         finally:
             self.inflight -= 1
             REQUESTS.labels(outcome if outcome == "ok" else "unfinished").inc()
+            self.stats.observe_run(start, first_at, [len(s.token_ids) for s in streams],
+                                   outcome == "ok", prep.cache_status if self.cache else "off")  # fmt: skip
             await events.aclose()
             if workers and not all(s.finished for s in streams):
                 log.info("aborting request", extra={"request_id": prep.request_id})
