@@ -18,6 +18,7 @@ from services.config import EngineConfig, ServiceConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine_service import EngineService
 from services.kv_connector import NatsKVReceiver
+from services.observability import bind_request
 from services.wire import (
     FINISH_TO_PROTO,
     error,
@@ -55,6 +56,7 @@ class DecodeService(EngineService):
 
     async def _prefill_here(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
         rid, llm = req.request_id, self.engine.engine
+        bind_request(rid)
         if req.image_spans or req.decode_instance_id != self.instance_id:
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT,
                          "a decode instance prefills only text prompts it decodes itself")  # fmt: skip
@@ -76,6 +78,7 @@ class DecodeService(EngineService):
         """Reserve the KV blocks, then take the transfer, then continue the request. Any
         refusal frees what was reserved and names its reason."""
         rid, llm = req.request_id, self.engine.engine
+        bind_request(rid)
         try:
             params = params_from_proto(req.sampling)
             reserved = await self.engine.call(lambda: llm.reserve_import(rid, len(req.token_ids)))
@@ -119,6 +122,8 @@ class DecodeService(EngineService):
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         self.adopted += 1
+        log.debug("decode adopted: %d tokens of KV from %s", len(req.token_ids),
+                  req.kv_transfer_id)  # fmt: skip
         return None
 
     def _on_outputs(self, outputs) -> None:

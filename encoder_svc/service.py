@@ -34,9 +34,11 @@ from services.metrics import (
     EMBEDDING_CACHE_HITS,
     EMBEDDING_CACHE_MISSES,
     EMBEDDING_SINGLEFLIGHT_JOINS,
+    ENCODE_SECONDS,
     IMAGES_ENCODED,
 )
 from services.models.factory import load_vision_encoder
+from services.observability import bind_request
 from services.service import Service
 from services.singleflight import SingleFlight
 from services.wire import error
@@ -79,8 +81,9 @@ class EncoderService(Service):
     @torch.inference_mode()
     def _encode_batch(self, images: list) -> list[torch.Tensor]:
         """Worker thread: preprocess and encode a batch of PIL images -> one tensor each."""
-        pixels = self.preprocessor(images).to(self.model.device)
-        out = self.model.model(pixels)
+        with ENCODE_SECONDS.time():
+            pixels = self.preprocessor(images).to(self.model.device)
+            out = self.model.model(pixels)
         IMAGES_ENCODED.inc(len(images))
         return [e.detach().to("cpu").contiguous() for e in out]
 
@@ -95,6 +98,8 @@ class EncoderService(Service):
         await msg.respond(await self._encode(msg.decode(bus_pb2.EncodeRequest)))
 
     async def _encode(self, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
+        bind_request(req.request_id)
+        log.debug("encode image %s", req.image_hash[:12])
         reply = bus_pb2.EncodeReply(image_hash=req.image_hash)
         if req.model_fingerprint != self.fingerprint:
             return _failed(reply, _INVALID, f"encoder serves model {self.fingerprint}, "

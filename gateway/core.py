@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -19,7 +18,9 @@ from gateway.events import BackendError, TokenEvent
 from gateway.prepare import PreparedRequest, RequestPreparer
 from gateway.response_cache import ResponseCache, replay
 from gateway.stream import Delta, OutputStream
-from services.metrics import GATEWAY_CACHE, REQUESTS, TTFT
+from gateway.timing import RequestTimer, outcome_of
+from services.metrics import GATEWAY_CACHE, REQUESTS, REQUESTS_IN_PROGRESS
+from services.observability import bind_request
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,22 @@ class GatewayCore:
         self.stats = RollingStats()  # the last minutes, for GET /dashboard
 
     async def prepare(self, **kwargs) -> PreparedRequest:
-        """RequestPreparer.prepare, in a thread when the request is large."""
+        """RequestPreparer.prepare, in a thread when the request is large. From here on
+        the caller's log lines carry the internal request id (the client's is only echoed)."""
         images = kwargs.get("images") or ()
         size = sum(len(im) for im in images) + len(kwargs.get("prompt") or "")
         if kwargs.get("messages") is not None:
             size += _content_size(kwargs["messages"])
-        if size >= _THREAD_PREPARE_BYTES:
-            return await asyncio.to_thread(lambda: self.preparer.prepare(**kwargs))
-        return self.preparer.prepare(**kwargs)
+        try:
+            if size >= _THREAD_PREPARE_BYTES:
+                prep = await asyncio.to_thread(lambda: self.preparer.prepare(**kwargs))
+            else:
+                prep = self.preparer.prepare(**kwargs)
+        except Exception as e:
+            REQUESTS.labels(outcome_of(e)).inc()
+            raise
+        bind_request(prep.request_id)
+        return prep
 
     def check_capacity(self) -> None:
         """RESOURCE_EXHAUSTED when this gateway already has max_inflight requests."""
@@ -76,9 +85,10 @@ class GatewayCore:
         on the workers if the consumer stops early, and a choice as soon as a stop string
         ends it here. A finished answer goes to the cache."""
         self.check_capacity()
+        bind_request(prep.request_id)
         self.inflight += 1
-        start, first, outcome = time.perf_counter(), True, "error"
-        first_at: float | None = None
+        REQUESTS_IN_PROGRESS.inc()
+        timer, outcome = RequestTimer(len(prep.prompt_token_ids), prep.params.n), "internal"
         streams = [OutputStream(prep, self.tokenizer, i) for i in range(prep.params.n)]
         events, workers = await self._source(prep)
         try:
@@ -89,9 +99,8 @@ class GatewayCore:
                 delta = stream.add(event)
                 if stream.stopped and workers:
                     await self.backend.abort(prep, stream.index)
-                if first and delta.token_ids:
-                    TTFT.observe(time.perf_counter() - start)
-                    first, first_at = False, time.perf_counter()
+                if delta.token_ids:
+                    timer.streamed(stream.index, len(delta.token_ids))
                 if delta.token_ids or delta.text or delta.finish_reason:
                     yield delta, streams
                 if all(s.finished for s in streams):
@@ -101,10 +110,15 @@ class GatewayCore:
                     return
             # Accepted work is never lost silently: the client learns it did not finish.
             raise BackendError("UNAVAILABLE", "the workers stopped before the request finished")
+        except BaseException as e:
+            outcome = outcome_of(e)
+            raise
         finally:
             self.inflight -= 1
-            REQUESTS.labels(outcome if outcome == "ok" else "unfinished").inc()
-            self.stats.observe_run(start, first_at, [len(s.token_ids) for s in streams],
+            REQUESTS_IN_PROGRESS.dec()
+            took = timer.finished(outcome)
+            log.info("request %s in %.3fs: %d tokens", outcome, took, timer.tokens)
+            self.stats.observe_run(timer.start, timer.first, [len(s.token_ids) for s in streams],
                                    outcome == "ok", prep.cache_status if self.cache else "off")  # fmt: skip
             await events.aclose()
             if workers and not all(s.finished for s in streams):

@@ -21,6 +21,7 @@ from services.config import EngineConfig, ServiceConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine_service import EngineService
 from services.kv_connector import NatsKVSender
+from services.observability import bind_request
 from services.wire import error, params_from_proto
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class PrefillService(EngineService):
 
     async def _admit(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
         rid = req.request_id
+        bind_request(rid)
         if rid in self.aborted or remaining_s(req.deadline_unix_ms) <= 0:
             return error(
                 bus_pb2.ERROR_CODE_ABORTED, f"request {rid} was aborted or is past its deadline"
@@ -68,6 +70,8 @@ class PrefillService(EngineService):
         except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        log.debug("prefill admitted: %d prompt tokens, %d images, decode on %s",
+                  len(req.prompt_token_ids), len(req.image_spans), req.decode_instance_id)  # fmt: skip
         return None
 
     async def _embeddings(self, req: bus_pb2.PrefillRequest) -> list:

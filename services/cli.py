@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -11,16 +10,21 @@ ROLES = ("encoder", "prefill", "decode", "cache", "gateway", "all")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+    g = p.add_argument_group("engine (encoder, prefill, decode, all; the gateway reads the "
+                             "model's tokenizer)")  # fmt: skip
     g.add_argument("--model", default=None, help="checkpoint directory or 'demo' (default)")
     g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--device", default=None)
-    g.add_argument("--load-format", default=None, help="auto | dummy")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--kv-cache-memory-mb", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--device", default=None, help="auto (CUDA when present) | cpu | cuda[:N]")
+    g.add_argument("--load-format", default=None,
+                   help="auto (safetensors) | dummy (random weights, same architecture)")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the checkpoint's)")  # fmt: skip
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
+    g.add_argument("--kv-cache-memory-mb", type=int, default=None,
+                   help="memory of the KV block pool in MiB (512)")  # fmt: skip
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (8192 on CUDA, 2048 on CPU)")  # fmt: skip
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (256)")
     g.add_argument("--attention-backend", default=None, help="auto | cpu | torch | triton")
     g.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per scheduling round (default 1)")  # fmt: skip
@@ -28,10 +32,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("service")
-    g.add_argument("--nats-url", default=None)
-    g.add_argument("--redis-url", default=None)
-    g.add_argument("--instance-id", default=None)
-    g.add_argument("--grpc-port", type=int, default=None)
+    g.add_argument("--nats-url", default=None,
+                   help="NATS server(s), comma-separated (nats://127.0.0.1:4222); may carry "
+                        "user:password@ or token@ (never logged)")  # fmt: skip
+    g.add_argument("--redis-url", default=None,
+                   help="Redis for the embedding and semantic caches (redis://127.0.0.1:6379/0; "
+                        "rediss://, redis+sentinel:// and :password@ accepted, never logged)")  # fmt: skip
+    g.add_argument("--instance-id", default=None,
+                   help="unique name of this process on the bus (default <role>-<random>)")  # fmt: skip
+    g.add_argument("--host", default=None, help="address the servers bind (0.0.0.0)")
+    g.add_argument("--grpc-port", type=int, default=None, help="gateway gRPC port (50051)")
+    g.add_argument("--request-timeout-s", type=float, default=None,
+                   help="deadline of a whole request, end to end (300)")  # fmt: skip
+    g.add_argument("--shutdown-grace-s", type=float, default=None,
+                   help="time in-flight work gets to finish after SIGTERM / Ctrl-C (10)")  # fmt: skip
     t = p.add_argument_group("credentials and TLS (docs/security.md); user:password or a token "
                              "go in --nats-url / --redis-url")  # fmt: skip
     t.add_argument("--nats-creds", default=None, help="NATS .creds file (user JWT + nkey seed)")
@@ -67,6 +81,42 @@ def _service_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="gateway: never ask the semantic cache")  # fmt: skip
 
 
+def _observability_args(p: argparse.ArgumentParser, metrics: bool = True) -> None:
+    g = p.add_argument_group("logs and metrics")
+    # SUPPRESS: the same options before the command (epd --log-level ...) are not reset.
+    g.add_argument("--log-level", default=argparse.SUPPRESS,
+                   help="DEBUG | INFO (default) | WARNING | ERROR")  # fmt: skip
+    g.add_argument("--log-format", default=argparse.SUPPRESS, choices=("text", "json"),
+                   help="text (default) or json: one object per line with time, level, service, "
+                        "instance, request_id, logger, message")  # fmt: skip
+    if metrics:
+        g.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus /metrics on this port (0: any free port; default "
+                            "off; the gateway also serves /metrics on its REST port)")  # fmt: skip
+
+
+def _epilog() -> str:
+    from cache_svc.config import SemanticCacheConfig
+    from gateway.config import GatewayConfig
+    from services.config import EngineConfig, ServiceConfig
+    from services.config_docs import env_help
+    from services.observability import ObservabilityConfig
+
+    blocks = [("engine", EngineConfig), ("service, bus and credentials", ServiceConfig),
+              ("gateway", GatewayConfig), ("semantic response cache", SemanticCacheConfig),
+              ("logs and metrics", ObservabilityConfig)]  # fmt: skip
+    head = ("Every setting is also an environment variable (flags win over variables, "
+            "variables over defaults):")  # fmt: skip
+    return "\n\n".join([head, *(env_help(title, cls) for title, cls in blocks)])
+
+
+def observability_config(args):
+    from services.observability import ObservabilityConfig
+
+    keys = ("log_level", "log_format", "metrics_port")
+    return ObservabilityConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+
+
 def engine_config(args):
     from services.config import EngineConfig
 
@@ -80,7 +130,8 @@ def service_config(args):
     from services.config import ServiceConfig
 
     keys = ("nats_url", "redis_url", "instance_id", "grpc_port", "nats_creds", "nats_nkey_seed",
-            "nats_tls_ca", "nats_tls_cert", "nats_tls_key")  # fmt: skip
+            "nats_tls_ca", "nats_tls_cert", "nats_tls_key", "host", "request_timeout_s",
+            "shutdown_grace_s")  # fmt: skip
     return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 
@@ -129,20 +180,22 @@ def _serve(args) -> int:
         service_config(args),
         gateway_config(args),
         cache_config(args),
+        observability_config(args),
     )
 
 
 def _up(args) -> int:
     from services.stack import up
 
-    return up(
-        args, engine_config(args), service_config(args), gateway_config(args), cache_config(args)
-    )
+    return up(args, engine_config(args), service_config(args), gateway_config(args),
+              cache_config(args), observability_config(args))  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default=None, help="DEBUG | INFO (default) | WARNING")
+    parser.add_argument("--log-format", default=None, choices=("text", "json"),
+                        help="text (default) | json")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline with the engine in this process")
     gen.add_argument("prompt")
@@ -152,26 +205,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     _engine_args(gen)
+    _observability_args(gen, metrics=False)
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="run one service (or 'all': the aggregated engine)")
-    srv.add_argument("role", choices=ROLES)
+    docs = dict(epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    srv = sub.add_parser("serve", help="run one service (or 'all': the aggregated engine)",
+                         description="Run one service until SIGTERM / Ctrl-C (then drain).",
+                         **docs)  # fmt: skip
+    srv.add_argument("role", choices=ROLES,
+                     help="encoder | prefill | decode | cache | gateway | all (aggregated "
+                          "engine behind the gateway)")  # fmt: skip
     _engine_args(srv)
     _service_args(srv)
+    _observability_args(srv)
     srv.set_defaults(func=_serve)
-    up = sub.add_parser("up", help="start NATS, Redis and every service on this machine")
-    up.add_argument("--decode-replicas", type=int, default=1)
+    up = sub.add_parser("up", help="start NATS, Redis and every service on this machine",
+                        description="NATS, Redis and every service as processes on this "
+                                    "machine; Ctrl-C stops them all.", **docs)  # fmt: skip
+    up.add_argument("--decode-replicas", type=int, default=1, help="decode processes (1)")
     up.add_argument("--aggregated", action="store_true", help="run 'serve all' instead of E/P/D")
     _engine_args(up)
     _service_args(up)
+    _observability_args(up)
     up.set_defaults(func=_up)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     try:
+        from services.observability import configure
+
+        configure(observability_config(args), getattr(args, "role", args.command),
+                  getattr(args, "instance_id", None) or "")  # fmt: skip
         return args.func(args)
     except (ValueError, OSError) as e:
         print(f"epd: error: {e}", file=sys.stderr)

@@ -1,23 +1,89 @@
-"""Prometheus metrics, named ``epd_*`` (one registry per process)."""
+"""Prometheus metrics, named ``epd_*`` (one registry per process): every metric is
+defined here; ``serve_metrics`` exposes them on a port of their own (any role,
+``--metrics-port``); the gateway also answers ``/metrics`` on its REST port."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import logging
+from wsgiref.simple_server import WSGIServer
 
-IMAGES_ENCODED = Counter("epd_encoder_images_encoded_total", "Images run through the vision tower")
-EMBEDDING_CACHE_HITS = Counter("epd_encoder_cache_hits_total", "Encode requests served from Redis")
-ENCODE_BATCH = Histogram("epd_encoder_batch_size", "Images per vision-tower batch",
-                         buckets=(1, 2, 4, 8, 16, 32, 64))  # fmt: skip
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Latency buckets from 1 ms to 5 min: time to first token, end to end, queueing.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0, 120.0, 300.0)  # fmt: skip
+# Per-token times: TPOT and inter-token latency.
+_TOKEN = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5,
+          1.0, 2.5)  # fmt: skip
+
+# -- gateway ----------------------------------------------------------------------------
+REQUESTS = Counter("epd_gateway_requests_total",
+                   "Requests by outcome: ok, rejected (at capacity), cancelled (client gone), "
+                   "or the failure's status (invalid_argument, unavailable, ...)",
+                   ["outcome"])  # fmt: skip
+REQUESTS_IN_PROGRESS = Gauge("epd_gateway_requests_in_progress", "Requests being served")
+TTFT = Histogram("epd_gateway_ttft_seconds", "Time to first token at the gateway",
+                 buckets=_LATENCY)  # fmt: skip
+TPOT = Histogram("epd_gateway_tpot_seconds",
+                 "Time per output token after the first, per finished request", buckets=_TOKEN)  # fmt: skip
+INTER_TOKEN = Histogram("epd_gateway_inter_token_seconds",
+                        "Gap between two streamed updates of one choice, per token", buckets=_TOKEN)  # fmt: skip
+E2E = Histogram("epd_gateway_e2e_seconds", "End-to-end time of a finished request",
+                buckets=_LATENCY)  # fmt: skip
+PROMPT_TOKENS = Counter("epd_gateway_prompt_tokens_total", "Prompt tokens of served requests")
+GENERATED_TOKENS = Counter("epd_gateway_generated_tokens_total", "Tokens streamed to clients")
+GATEWAY_CACHE = Counter("epd_gateway_cache_requests_total",
+                        "Requests by semantic-cache outcome at the gateway "
+                        "(hit_exact, hit_semantic, miss, skipped, unavailable)", ["outcome"])  # fmt: skip
+MIGRATIONS = Counter("epd_gateway_request_moves_total",
+                     "Requests moved off a failed worker: retries (nothing sent yet) and "
+                     "migrations (mid-stream), by the failed worker's role",
+                     ["role", "kind"])  # fmt: skip
+DROPPED_UPDATES = Counter("epd_gateway_dropped_updates_total",
+                          "Token updates from an instance that does not hold the request")  # fmt: skip
+
+# -- engine (prefill, decode, all) ------------------------------------------------------
+QUEUE_TIME = Histogram("epd_engine_queue_seconds",
+                       "Time from a request's arrival at the engine to its first scheduled step",
+                       buckets=_LATENCY)  # fmt: skip
+PREFILL_TIME = Histogram("epd_engine_prefill_seconds",
+                         "Time from a request's first scheduled step to its first sampled token",
+                         buckets=_LATENCY)  # fmt: skip
+BATCH_SIZE = Histogram("epd_engine_batch_size", "Requests in one engine step",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
+ENGINE_PROMPT_TOKENS = Counter("epd_engine_prompt_tokens_total",
+                               "Prompt tokens of requests admitted to the engine")  # fmt: skip
+ENGINE_CACHED_TOKENS = Counter("epd_engine_prefix_cache_hit_tokens_total",
+                               "Prompt tokens found in the prefix cache at admission "
+                               "(hit rate = this / epd_engine_prompt_tokens_total)")  # fmt: skip
+ENGINE_GENERATED_TOKENS = Counter("epd_engine_generated_tokens_total", "Tokens sampled")
+PREEMPTIONS = Counter("epd_engine_preemptions_total", "Requests preempted (recomputed later)")
+# Updated with every heartbeat from the instance's load (one instance per process, bar tests).
+RUNNING = Gauge("epd_instance_running", "Requests running", ["role", "instance"])
+WAITING = Gauge("epd_instance_waiting", "Requests waiting", ["role", "instance"])
+KV_BLOCKS_FREE = Gauge("epd_instance_kv_blocks_free", "Free KV blocks", ["role", "instance"])
+KV_BLOCKS_USED = Gauge("epd_instance_kv_blocks_used", "KV blocks in use", ["role", "instance"])
 KV_BYTES_SENT = Counter("epd_kv_transfer_bytes_total", "KV bytes sent prefill -> decode")
 KV_TRANSFER_SECONDS = Histogram("epd_kv_transfer_seconds", "Time of one KV transfer")
-REQUESTS = Counter("epd_gateway_requests_total", "Requests by outcome", ["outcome"])
-TTFT = Histogram("epd_gateway_ttft_seconds", "Time to first token at the gateway")
+
+# -- encoder ----------------------------------------------------------------------------
+IMAGES_ENCODED = Counter("epd_encoder_images_encoded_total", "Images run through the vision tower")
+ENCODE_BATCH = Histogram("epd_encoder_batch_size", "Images per vision-tower batch",
+                         buckets=(1, 2, 4, 8, 16, 32, 64))  # fmt: skip
+ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds",
+                           "Time of one vision-tower batch (preprocess + forward)",
+                           buckets=_LATENCY)  # fmt: skip
+EMBEDDING_CACHE_HITS = Counter("epd_encoder_cache_hits_total", "Encode requests served from Redis")
 EMBEDDING_CACHE_MISSES = Counter("epd_encoder_cache_misses_total",
                                  "Encode requests the embedding cache could not serve")  # fmt: skip
 EMBEDDING_CACHE_BYTES = Counter("epd_encoder_cache_bytes_written_total",
                                 "Bytes of embeddings written to the embedding cache")  # fmt: skip
 EMBEDDING_SINGLEFLIGHT_JOINS = Counter("epd_encoder_singleflight_joins_total",
                                        "Encode requests that waited for the same image's pass")  # fmt: skip
+
+# -- semantic cache (cache service) -----------------------------------------------------
 SEMANTIC_CACHE_LOOKUPS = Counter("epd_semantic_cache_lookups_total",
                                  "Semantic cache lookups by result", ["result"])  # fmt: skip
 SEMANTIC_CACHE_GUARD = Counter("epd_semantic_cache_guard_rejections_total",
@@ -31,14 +97,27 @@ SEMANTIC_CACHE_LOOKUP_SECONDS = Histogram(
 SEMANTIC_CACHE_ENTRIES = Gauge("epd_semantic_cache_entries", "Entries in this replica's index")
 SEMANTIC_CACHE_STORES = Counter("epd_semantic_cache_stores_total", "Answers stored, by result",
                                 ["result"])  # fmt: skip
-GATEWAY_CACHE = Counter("epd_gateway_cache_requests_total",
-                        "Requests by semantic-cache outcome at the gateway "
-                        "(hit_exact, hit_semantic, miss, skipped, unavailable)", ["outcome"])  # fmt: skip
-MIGRATIONS = Counter("epd_gateway_request_moves_total",
-                     "Requests moved off a failed worker: retries (nothing sent yet) and "
-                     "migrations (mid-stream), by the failed worker's role",
-                     ["role", "kind"])  # fmt: skip
-DROPPED_UPDATES = Counter(
-    "epd_gateway_dropped_updates_total",
-    "Token updates from an instance that does not hold the request",
-)
+
+# -- bus --------------------------------------------------------------------------------
+BUS_REQUEST_SECONDS = Histogram("epd_bus_request_seconds",
+                                "Round trip of one bus request, by the subject's first two "
+                                "tokens (epd.prefill, epd.encode, ...)", ["subject"],
+                                buckets=_LATENCY)  # fmt: skip
+
+
+def subject_kind(subject: str) -> str:
+    """The label of ``subject``: its first two tokens (instance ids stay out of labels)."""
+    return ".".join(subject.split(".", 2)[:2])
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> WSGIServer:
+    """Serve /metrics on ``port`` (0: any free port; the server's ``server_port`` says)
+    in a daemon thread; ``stop_metrics`` closes it."""
+    server, _thread = start_http_server(port, addr=host)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    return server
+
+
+def stop_metrics(server: WSGIServer) -> None:
+    server.shutdown()
+    server.server_close()

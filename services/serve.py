@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.config import EngineConfig, ServiceConfig
+from services.observability import ObservabilityConfig
 from services.runtime import serve_until_signal
 
 
@@ -34,8 +35,12 @@ def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, 
 
 
 def serve(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None,
-          cache=None) -> int:  # fmt: skip
+          cache=None, observability: ObservabilityConfig | None = None) -> int:  # fmt: skip
     """``gateway``: the GatewayConfig of the gateway roles (gateway, all); ``cache``: the
-    SemanticCacheConfig of the cache service and the gateways."""
-    asyncio.run(serve_until_signal(make_service(role, engine_config, config, gateway, cache)))
+    SemanticCacheConfig of the cache service and the gateways; ``observability``: logs
+    and the metrics port."""
+    service = make_service(role, engine_config, config, gateway, cache)
+    if observability is not None:
+        service.observability = observability
+    asyncio.run(serve_until_signal(service))
     return 0

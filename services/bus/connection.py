@@ -31,6 +31,7 @@ from services.bus.errors import (
 )
 from services.bus.handlers import ERROR_HEADER, Handler, HandlerRunner, Incoming
 from services.bus.messages import M, decode, encode
+from services.metrics import BUS_REQUEST_SECONDS, subject_kind
 
 logger = logging.getLogger(__name__)
 
@@ -160,15 +161,20 @@ class Bus:
         retry_until = loop.time() + min(self._config.no_responders_grace_s, timeout_s)
         delay = 0.005
         payload = encode(msg)
-        while True:
-            try:
-                reply = await self._request_once(subject, payload, deadline - loop.time(), headers)
-                break
-            except NoResponders:
-                if loop.time() + delay > retry_until:
-                    raise
-                await asyncio.sleep(delay)
-                delay *= 2
+        started = loop.time()
+        try:
+            while True:
+                try:
+                    reply = await self._request_once(subject, payload, deadline - loop.time(),
+                                                     headers)  # fmt: skip
+                    break
+                except NoResponders:
+                    if loop.time() + delay > retry_until:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay *= 2
+        finally:
+            BUS_REQUEST_SECONDS.labels(subject_kind(subject)).observe(loop.time() - started)
         error = (reply.headers or {}).get(ERROR_HEADER)
         if error is not None:
             raise RemoteError(subject, error)

@@ -18,6 +18,7 @@ from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.step_metrics import observe_scheduled, observe_step
 from services.images import ImagePreprocessor
 from services.kernels.backend import get_backend
 from services.models.factory import LoadedModel, load_model, resolve_device
@@ -208,6 +209,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule(self._burst_steps())
+        observe_scheduled(so)
         for rid in so.finished_ids:
             self.runner.drop_request(rid)
         if so.num_steps > 1:
@@ -219,6 +221,7 @@ class LLMEngine:
             exported, logprobs = self._export_kv(result.sampled), result.logprobs
             finished = self.scheduler.update_from_output(so, result.sampled)
             new_tokens = {rid: [token] for rid, token in result.sampled.items()}
+        observe_step(so, new_tokens)
         touched: dict[str, RequestState] = {}
         for rid, tokens in new_tokens.items():
             state = self.states.get(rid)

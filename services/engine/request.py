@@ -60,6 +60,10 @@ class Request:
     block_hashes: list[str] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Metrics (step_metrics.py): when first scheduled; when its prompt started computing
+    # here (None once the first token is out, or when the KV was imported).
+    first_scheduled_time: float | None = None
+    prefill_start_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
