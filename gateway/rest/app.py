@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
@@ -96,6 +97,10 @@ def _get_routes(app: FastAPI, core: GatewayCore) -> None:
     @app.get("/version", summary="Server version")
     async def version() -> Response:
         return JSONResponse({"version": VERSION})
+
+    @app.get("/metrics", summary="Prometheus metrics (epd_*)", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _headers(request: Request) -> dict:
