@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from gateway.core import GatewayCore
+from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import RequestFailure, classify
 from gateway.prepare import InvalidRequest
 from gateway.rest.chat import chat_completion
@@ -47,6 +48,7 @@ def build_app(core: GatewayCore) -> GatewayMiddleware:
     app = FastAPI(title="epd-serve", version=VERSION, openapi_url="/openapi.json", docs_url="/docs")
     direct = _post_routes(app, core)
     _get_routes(app, core)
+    add_dashboard_routes(app, core)
     app.add_exception_handler(HTTPException, _http_error)
     app.openapi = lambda: _openapi(app)
     limit = core.config.max_body_mb << 20
