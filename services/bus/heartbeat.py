@@ -137,6 +137,8 @@ class InstanceRegistry:
         self._instances: dict[str, dict[str, InstanceInfo]] = {r: {} for r in self._roles}
         self._subs: list[Subscription] = []
         self._changed = asyncio.Event()
+        # When the last heartbeat of any instance arrived (None: none yet).
+        self._heard_at: float | None = None
 
     async def start(self) -> None:
         """Subscribe to the heartbeats of every tracked role."""
@@ -157,20 +159,34 @@ class InstanceRegistry:
         if hb.role not in self._instances:
             return
         load = Load(hb.running, hb.waiting, hb.free_kv_blocks, hb.total_kv_blocks, hb.draining)
+        self._heard_at = self._clock()
         self._instances[hb.role][hb.instance_id] = InstanceInfo(
-            hb.role, hb.instance_id, load, hb.model, self._clock()
+            hb.role, hb.instance_id, load, hb.model, self._heard_at
         )
         self._changed.set()
 
     def live(self, role: str, *, include_draining: bool = False) -> list[InstanceInfo]:
         """Instances of ``role`` heard from within the expiry, sorted by id."""
         table = self._instances[role]
-        cutoff = self._clock() - self._expiry_s
+        cutoff = self._silence_reference() - self._expiry_s
         for iid in [iid for iid, info in table.items() if info.last_seen < cutoff]:
             logger.info("instance %s/%s expired (silent > %.1fs)", role, iid, self._expiry_s)
             del table[iid]
         infos = sorted(table.values(), key=lambda i: i.instance_id)
         return [i for i in infos if include_draining or not i.load.draining]
+
+    def _silence_reference(self) -> float:
+        """The time silence is measured to. When no instance at all was heard for longer
+        than the expiry, this process most likely stalled (a blocked event loop: the
+        heartbeats wait unread on the socket) rather than the whole fleet dying at once:
+        silence then counts only up to the last heartbeat heard, for 3 expiries; past
+        that the fleet is taken as gone."""
+        now = self._clock()
+        if self._heard_at is None or now - self._heard_at <= self._expiry_s:
+            return now
+        if now - self._heard_at > 3 * self._expiry_s:
+            return now - 2 * self._expiry_s
+        return self._heard_at
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Wait until ``predicate()`` holds; re-checked on heartbeats and on expiry ticks."""

@@ -125,3 +125,19 @@ def test_block_hashes_chain_over_full_blocks_only():
     a, b = block_hashes(list(range(40)), 16), block_hashes(list(range(32)) + [7] * 8, 16)
     assert len(a) == 2 and a == b  # the partial third block is not hashed
     assert block_hashes([9] + list(range(1, 40)), 16)[1] != a[1]  # chained from the parent
+
+
+def test_total_silence_is_a_stall_here_until_three_expiries():
+    """A gateway whose event loop was blocked hears no heartbeat at all: it must not
+    expire the whole fleet the moment it wakes up; one silent instance among talking
+    ones expires as usual; a fleet silent for 3 expiries is gone."""
+    clock = Clock()
+    registry = InstanceRegistry(None, ["decode"], expiry_s=3.0, clock=clock)
+    beat(registry, "d0")
+    beat(registry, "d1")
+    clock.t = 5.0  # blocked for 5 s: nothing read
+    assert [i.instance_id for i in registry.live("decode")] == ["d0", "d1"]
+    beat(registry, "d0")  # heartbeats read again: d1 really is silent
+    assert [i.instance_id for i in registry.live("decode")] == ["d0"]
+    clock.t = 5.0 + 9.5
+    assert registry.live("decode") == []
