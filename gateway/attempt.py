@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.events import BackendError, TokenEvent
@@ -20,6 +20,9 @@ from services.wire import STATUS
 
 # How often a waiting request checks that its workers are still alive.
 LIVENESS_TICK_S = 0.25
+# After this long without an update the worker is pinged: a dead one answers "no
+# responders" at once, where its heartbeats take instance_ttl_s to expire.
+PROBE_AFTER_S = 0.5
 # Failures that say "this worker cannot do it now", not "this request is wrong".
 RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 
@@ -83,14 +86,20 @@ def update_error(upd: bus_pb2.TokenUpdate, route: Route, sender: str, started: b
 
 
 async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
-                         alive: Callable[[str, str], bool]) -> AsyncIterator[TokenEvent]:  # fmt: skip
+                         alive: Callable[[str, str], bool],
+                         probe: Callable[[str, str], Awaitable[bool]]) -> AsyncIterator[TokenEvent]:  # fmt: skip
     """The attempt's events in order, until it finishes or fails."""
-    last = time.monotonic()
+    last = probed = time.monotonic()
     while True:
         try:
             sender, upd = await asyncio.wait_for(route.queue.get(), LIVENESS_TICK_S)
         except TimeoutError:
-            _check(route, order, deadline, stall_s, alive, last)
+            role, worker = _check(route, order, deadline, stall_s, alive, last)
+            now = time.monotonic()
+            if now - max(last, probed) > PROBE_AFTER_S:
+                probed = now
+                if not await probe(role, worker):
+                    raise WorkerLost(role, worker, "its connection is gone") from None
             continue
         last = time.monotonic()
         if time.time() > deadline:  # checked on every update too: a stream never outlives it
@@ -106,7 +115,8 @@ async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, st
 
 
 def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
-           alive: Callable[[str, str], bool], last: float) -> None:  # fmt: skip
+           alive: Callable[[str, str], bool], last: float) -> tuple[str, str]:  # fmt: skip
+    """Raise if the attempt cannot go on; else the (role, id) of the worker it waits on."""
     if time.time() > deadline:
         raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
     # Prefill holds the request until its first token, and the KV until decode speaks.
@@ -121,3 +131,4 @@ def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
     role, worker = watched[-1]
     if time.monotonic() - last > stall_s:
         raise WorkerLost(role, worker, f"no tokens for {stall_s:.0f}s")
+    return role, worker

@@ -26,7 +26,7 @@ from gateway.reorder import UpdateOrderer
 from gateway.router import Router
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
-from services.bus.errors import BusError
+from services.bus.errors import BusError, NoResponders
 from services.bus.handlers import Incoming
 from services.bus.heartbeat import InstanceRegistry
 from services.config import EngineConfig, ServiceConfig
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 # Prompt blocks the prefix-aware router hashes (the engines' default block size).
 _ROUTE_BLOCK_TOKENS = 16
+_PING_TIMEOUT_S = 1.0
 
 
 class EmbeddingsMissing(Exception):
@@ -114,6 +115,18 @@ class DisaggregatedBackend:
         """Heard from within the expiry (a draining instance still finishes its work)."""
         live = self.registry.live(role, include_draining=True)
         return any(i.instance_id == instance_id for i in live)
+
+    async def answers_ping(self, role: str, instance_id: str) -> bool:
+        """False only when nobody serves the instance's ping subject any more (its
+        connection is gone); a slow or unknown answer counts as alive."""
+        try:
+            await self.bus.request(subjects.ping(instance_id), b"", bus_pb2.Heartbeat,
+                                   _PING_TIMEOUT_S)  # fmt: skip
+        except NoResponders:
+            return False
+        except BusError:
+            pass
+        return True
 
     async def _on_tokens(self, msg: Incoming) -> None:
         batch = msg.decode(bus_pb2.TokenBatch)
@@ -230,7 +243,8 @@ class DisaggregatedBackend:
                 pushed = await images.for_prefill(pid, push=True)
                 await self._prefill(prep, arid, params, pushed, sent, route, last_try=True)
             async for event in stream_updates(route, order, prep.deadline,
-                                              self.config.stall_timeout_s, self.alive):  # fmt: skip
+                                              self.config.stall_timeout_s, self.alive,
+                                              self.answers_ping):  # fmt: skip
                 if prefill is not None and not prefill.released:
                     self.router.succeeded(subjects.ROLE_PREFILL, prefill.instance_id)
                     prefill.release()

@@ -70,6 +70,13 @@ def encoder(instance_id: str) -> str:
     return f"{PREFIX}.encoder.{check_token(instance_id, 'instance id')}"
 
 
+def ping(instance_id: str) -> str:
+    """Subject an engine instance answers while it lives: ``epd.ping.<id>``. A request
+    there gets "no responders" as soon as the instance's connection is gone, long before
+    its heartbeats expire."""
+    return f"{PREFIX}.ping.{check_token(instance_id, 'instance id')}"
+
+
 def blob(instance_id: str) -> str:
     """Subject where one instance receives chunked payloads (images, embeddings):
     ``epd.blob.<id>``."""
