@@ -60,9 +60,12 @@ class Route:
         return upd.offset == self.start or upd.HasField("error")
 
 
-async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost]):
-    """Await ``aw``; raise ``lost()`` as soon as ``alive()`` turns false."""
+async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost],
+                      probe: Callable[[], Awaitable[bool]] | None = None):  # fmt: skip
+    """Await ``aw``; raise ``lost()`` as soon as ``alive()`` turns false, or ``probe()``
+    (tried every PROBE_AFTER_S while waiting) says the worker is gone."""
     task = asyncio.ensure_future(aw)
+    probed = time.monotonic()
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=LIVENESS_TICK_S)
@@ -70,6 +73,10 @@ async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLo
                 return task.result()
             if not alive():
                 raise lost()
+            if probe is not None and time.monotonic() - probed > PROBE_AFTER_S:
+                probed = time.monotonic()
+                if not await probe():
+                    raise lost()
     finally:
         task.cancel()
 

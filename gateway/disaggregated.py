@@ -94,7 +94,7 @@ class DisaggregatedBackend:
         await self.registry.start()
         self.router = Router(self.registry, self.info.fingerprint, self.api)
         self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
-                                    self.router, self.alive)  # fmt: skip
+                                    self.router, self.alive, self.answers_ping)  # fmt: skip
         await self.bus.subscribe(subjects.out(self.gateway_id), self._on_tokens)
 
     async def stop(self) -> None:
@@ -299,6 +299,7 @@ class DisaggregatedBackend:
             reply = await while_alive(
                 ask, lambda: self.alive(role, pid),
                 lambda: WorkerLost(role, pid, "went away during admission"),
+                lambda: self.answers_ping(role, pid),
             )  # fmt: skip
         except BusError as e:
             raise WorkerLost(role, pid, f"dispatch failed: {e}") from e

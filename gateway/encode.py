@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from cache_svc.keys import embedding_key
 from gateway.attempt import RETRYABLE, WorkerLost, while_alive
@@ -37,15 +37,17 @@ log = logging.getLogger(__name__)
 
 class ImageEncoder:
     """Encodes a request's images on encoders chosen by ``router``; ``alive(role, id)``
-    says whether an instance still beats."""
+    says whether an instance still beats, ``probe(role, id)`` whether it is connected."""
 
     def __init__(self, bus: Bus, fingerprint: str, timeout_s: float, router: Router,
-                 alive: Callable[[str, str], bool]):  # fmt: skip
+                 alive: Callable[[str, str], bool],
+                 probe: Callable[[str, str], Awaitable[bool]]):  # fmt: skip
         self.bus = bus
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.router = router
         self.alive = alive
+        self.probe = probe
 
     def keys_for(self, prep: PreparedRequest) -> dict[str, str]:
         return {s.image_hash: embedding_key(self.fingerprint, s.image_hash) for s in prep.spans}
@@ -113,6 +115,7 @@ class ImageEncoder:
             return await while_alive(
                 ask, lambda: self.alive(subjects.ROLE_ENCODE, encoder_id),
                 lambda: WorkerLost(subjects.ROLE_ENCODE, encoder_id, "went away mid-encode"),
+                lambda: self.probe(subjects.ROLE_ENCODE, encoder_id),
             )  # fmt: skip
         except BusError as e:
             raise WorkerLost(subjects.ROLE_ENCODE, encoder_id, f"encode failed: {e}") from e

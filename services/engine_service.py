@@ -54,10 +54,6 @@ class EngineService(Service):
     async def register(self) -> None:
         await self._register(self.engine.engine)
         await self.bus.subscribe(subjects.ABORT, self._on_abort, max_concurrency=16)
-        await self.bus.subscribe(subjects.ping(self.instance_id), self._on_ping)
-
-    async def _on_ping(self, msg: Incoming) -> None:
-        await msg.respond(b"")
 
     def report_load(self) -> Load:
         load = self.engine.load()

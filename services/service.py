@@ -35,6 +35,7 @@ from nats.aio.subscription import Subscription
 
 from protos.epd_pb import bus_pb2
 from services import metrics
+from services.bus import subjects
 from services.bus.connection import Bus
 from services.bus.handlers import Handler, Incoming
 from services.bus.heartbeat import HeartbeatPublisher, Load
@@ -113,6 +114,9 @@ class Service:
         self.bus = await self.connect()
         await self.register()
         if self.bus is not None:
+            # Answered while the process lives: routers tell a dead instance (no
+            # responders at once) from a slow one long before its heartbeats expire.
+            await self.bus.subscribe(subjects.ping(self.instance_id), _pong)
             self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id,
                                                 self._beat_load, interval_s=self.config.heartbeat_s,
                                                 model=self.model_fingerprint)  # fmt: skip
@@ -237,6 +241,10 @@ class Service:
     async def _close_bus(self) -> None:
         if self.bus is not None:
             await self.bus.close()
+
+
+async def _pong(msg: Incoming) -> None:
+    await msg.respond(b"")
 
 
 async def _leave(sub: Subscription) -> None:
