@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from gateway.attempt import RETRYABLE, Route, WorkerLost, stream_updates, while_alive
 from gateway.config import GatewayConfig
-from gateway.encode import ImageEncoder
+from gateway.encode import EmbeddingsMissing, Encodings, ImageEncoder
 from gateway.events import BackendError, TokenEvent
 from gateway.policies import RouteHint, block_hashes
 from gateway.prepare import PreparedRequest
@@ -42,34 +42,6 @@ log = logging.getLogger(__name__)
 # Prompt blocks the prefix-aware router hashes (the engines' default block size).
 _ROUTE_BLOCK_TOKENS = 16
 _PING_TIMEOUT_S = 1.0
-
-
-class EmbeddingsMissing(Exception):
-    """The prefill instance could not read an image's embedding."""
-
-
-class Encodings:
-    """A request's images, encoded once per prefill instance its choices use (the
-    embeddings an encoder pushed to one prefill serve every choice there)."""
-
-    def __init__(self, encoder: ImageEncoder, prep: PreparedRequest):
-        self.encoder, self.prep = encoder, prep
-        self.by_prefill: dict[tuple[str, bool], asyncio.Future] = {}
-
-    async def for_prefill(self, prefill_id: str, push: bool = False) -> dict[str, bus_pb2.BlobRef]:
-        """``push``: send the embeddings to the prefill instance even if Redis has them."""
-        if not self.prep.spans:
-            return {}
-        fut = self.by_prefill.get((prefill_id, push))
-        if fut is None:
-            fut = asyncio.ensure_future(self.encoder.encode(self.prep, prefill_id, push))
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self.by_prefill[(prefill_id, push)] = fut
-        return await asyncio.shield(fut)  # one choice giving up must not cancel the others'
-
-    def cancel(self) -> None:
-        for fut in self.by_prefill.values():
-            fut.cancel()
 
 
 class DisaggregatedBackend:

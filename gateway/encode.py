@@ -119,3 +119,31 @@ class ImageEncoder:
             )  # fmt: skip
         except BusError as e:
             raise WorkerLost(subjects.ROLE_ENCODE, encoder_id, f"encode failed: {e}") from e
+
+
+class EmbeddingsMissing(Exception):
+    """The prefill instance could not read an image's embedding."""
+
+
+class Encodings:
+    """A request's images, encoded once per prefill instance its choices use (the
+    embeddings an encoder pushed to one prefill serve every choice there)."""
+
+    def __init__(self, encoder: ImageEncoder, prep: PreparedRequest):
+        self.encoder, self.prep = encoder, prep
+        self.by_prefill: dict[tuple[str, bool], asyncio.Future] = {}
+
+    async def for_prefill(self, prefill_id: str, push: bool = False) -> dict[str, bus_pb2.BlobRef]:
+        """``push``: send the embeddings to the prefill instance even if Redis has them."""
+        if not self.prep.spans:
+            return {}
+        fut = self.by_prefill.get((prefill_id, push))
+        if fut is None:
+            fut = asyncio.ensure_future(self.encoder.encode(self.prep, prefill_id, push))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.by_prefill[(prefill_id, push)] = fut
+        return await asyncio.shield(fut)  # one choice giving up must not cancel the others'
+
+    def cancel(self) -> None:
+        for fut in self.by_prefill.values():
+            fut.cancel()
