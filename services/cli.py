@@ -191,6 +191,34 @@ def _up(args) -> int:
               cache_config(args), observability_config(args))  # fmt: skip
 
 
+def _health(args) -> int:
+    """Exit 0 when this container's service is up (Docker health checks): a worker's
+    metrics port shows a heartbeat gauge (model loaded, bus joined); the gateway's
+    REST ``GET /health`` answers 200 (its workers are seen)."""
+    import urllib.error
+    import urllib.request
+
+    if args.gateway:
+        port = args.port or gateway_config(args).http_port
+        url, marker = f"http://{args.host}:{port}/health", None
+    else:
+        port = args.port or observability_config(args).metrics_port
+        if not port:
+            print("epd health: no metrics port (set EPD_METRICS_PORT or --port)", file=sys.stderr)
+            return 2
+        url, marker = f"http://{args.host}:{port}/metrics", "epd_instance_running{"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as r:
+            body = r.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as e:
+        print(f"epd health: {url}: {e}", file=sys.stderr)
+        return 1
+    if marker is not None and marker not in body:
+        print(f"epd health: {url}: no heartbeat yet", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve")
     parser.add_argument("--log-level", default=None, help="DEBUG | INFO (default) | WARNING")
@@ -227,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     _service_args(up)
     _observability_args(up)
     up.set_defaults(func=_up)
+    hc = sub.add_parser("health", help="exit 0 when the service in this container is up "
+                        "(Docker health checks)")  # fmt: skip
+    hc.add_argument("--gateway", action="store_true",
+                    help="check the gateway's REST GET /health (EPD_HTTP_PORT) instead of a "
+                         "worker's metrics port (EPD_METRICS_PORT)")  # fmt: skip
+    hc.add_argument("--host", default="127.0.0.1", help="address to ask (127.0.0.1)")
+    hc.add_argument("--port", type=int, default=None, help="port to ask instead")
+    hc.add_argument("--timeout", type=float, default=3.0, help="seconds (3)")
+    hc.set_defaults(func=_health)
     return parser
 
 
