@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
 
 from services.config import EngineConfig, ServiceConfig
 from services.localstack import free_port, start_nats, start_redis
@@ -97,9 +98,7 @@ def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
        cache: SemanticCacheConfig, observability: ObservabilityConfig | None = None) -> int:  # fmt: skip
     observability = observability or ObservabilityConfig()
     info = ModelInfo.load(engine)  # also generates the demo checkpoint once, before the children
-    nats = start_nats(port=int(cfg.nats_url.rsplit(":", 1)[1]))
-    redis = start_redis(port=int(cfg.redis_url.rsplit(":", 1)[1].split("/")[0]), maxmemory="1gb")
-    cfg = dataclasses.replace(cfg, nats_url=nats.url, redis_url=redis.url)
+    nats, redis, cfg = _local_servers(cfg)
     # Credentials reach the children in the environment, not argv; each child gets its
     # own metrics port in argv (one EPD_METRICS_PORT for all would collide).
     env = _env(engine, gateway, cache, cfg, dataclasses.replace(observability, metrics_port=None))
@@ -124,6 +123,24 @@ def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
         redis.stop()
         nats.stop()
     return 0 if all(c.returncode in (0, -signal.SIGTERM) for c in children) else 1
+
+
+def _local_servers(cfg: ServiceConfig):
+    """Private NATS and Redis on the ports of ``cfg``'s URLs, asking for the credentials
+    those URLs carry (user:password or a token for NATS, a password for Redis), so the
+    whole stack runs with authentication on; the config the children get."""
+    n, r = urlsplit(cfg.nats_url.split(",")[0]), urlsplit(cfg.redis_url)
+    auth = ""
+    if n.username and n.password is not None:
+        auth = (f"authorization {{ user: {json.dumps(unquote(n.username))}, "
+                f"password: {json.dumps(unquote(n.password))} }}")  # fmt: skip
+    elif n.username:
+        auth = f"authorization {{ token: {json.dumps(unquote(n.username))} }}"
+    nats = start_nats(port=n.port, extra_config=auth)
+    redis = start_redis(port=r.port, maxmemory="1gb",
+                        password=unquote(r.password) if r.password else None)  # fmt: skip
+    nats_url = cfg.nats_url.split(",")[0] if auth else nats.url
+    return nats, redis, dataclasses.replace(cfg, nats_url=nats_url, redis_url=redis.url)
 
 
 def _wait_ready(children: list[subprocess.Popen], grpc_port: int, model: str,

@@ -4,11 +4,13 @@ everything cleanly; Ctrl-C (SIGINT) too, leaving no process and no temporary fol
 
 from __future__ import annotations
 
+import base64
 import io
 import signal
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from protos.epd_pb import inference_pb2 as pb
@@ -19,22 +21,54 @@ from tests.helpers.epd_up import epd_up
 pytestmark = pytest.mark.slow
 
 
-def test_epd_up_serves_and_stops_cleanly(demo_dir):
-    running = epd_up(demo_dir)
+def test_epd_up_with_credentials_serves_openai_and_grpc_and_stops_cleanly(demo_dir):
+    """NATS with user/password and Redis with a password, as `epd up` starts them: every
+    service authenticates; the official openai client gets a chat answer about an image;
+    the passwords never reach the output."""
+    nats_pw, redis_pw = "nats-Secret-7", "redis-Secret-9"
+    running = epd_up(demo_dir, nats_userinfo=f"epd:{nats_pw}", redis_password=redis_pw)
     try:
         buf = io.BytesIO()
         random_image(1).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(model="demo", max_tokens=5, temperature=0,
+                                              messages=[{"role": "user", "content": [
+                                                  {"type": "image_url", "image_url": {"url": url}},
+                                                  {"type": "text", "text": "what is this?"}]}])  # fmt: skip
+        assert chat.usage.completion_tokens == 5 and chat.usage.prompt_tokens > 16
         msg = pb.ChatMessage(role="user", parts=[pb.ContentPart(image=buf.getvalue()),
                                                  pb.ContentPart(text="what is this?")])  # fmt: skip
         req = pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[msg]),
                                  sampling=pb.SamplingParams(temperature=0.0, max_tokens=5))  # fmt: skip
         with grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}") as ch:
             out = pbg.InferenceStub(ch).GenerateOnce(req, timeout=60)
-        assert len(out.token_ids) == 5 and out.usage.prompt_tokens > 16
+        assert list(out.token_ids)[:5] and out.usage.prompt_tokens > 16
+        _assert_refused_without_credentials(running)
     finally:
         output = running.stop()
     assert running.proc.returncode == 0, output[-3000:]
     assert "OpenAI REST  http://127.0.0.1:" in output
+    assert nats_pw not in output and redis_pw not in output
+
+
+def _assert_refused_without_credentials(running) -> None:
+    """The servers `epd up` started really require the credentials."""
+    import asyncio
+
+    import nats
+    import redis
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(running.redis_url).ping()
+
+    async def anonymous() -> None:
+        nc = await nats.connect(running.nats_url, connect_timeout=2, max_reconnect_attempts=0,
+                                allow_reconnect=False)  # fmt: skip
+        await nc.close()
+
+    with pytest.raises(Exception, match="(?i)authoriz"):
+        asyncio.run(anonymous())
 
 
 def _children(pid: int) -> set[int]:

@@ -21,8 +21,9 @@ class Running:
     proc: subprocess.Popen
     http_port: int
     grpc_port: int
-    nats_url: str
+    nats_url: str  # without credentials
     demo_dir: Path
+    redis_url: str = ""  # without credentials
 
     @property
     def base_url(self) -> str:
@@ -40,17 +41,23 @@ class Running:
         return out or ""
 
 
-def epd_up(demo_dir: Path, *args: str, env: dict | None = None, ready_s: float = 240) -> Running:
-    """Start ``epd up`` on free ports and wait until REST and gRPC both serve."""
+def epd_up(demo_dir: Path, *args: str, env: dict | None = None, ready_s: float = 240,
+           nats_userinfo: str = "", redis_password: str = "") -> Running:  # fmt: skip
+    """Start ``epd up`` on free ports and wait until REST and gRPC both serve.
+    ``nats_userinfo`` ("user:password" or a token) and ``redis_password``: the local
+    servers require them, and every service authenticates."""
     http_port, grpc_port, nats_port, redis_port = (free_port() for _ in range(4))
     nats_url = f"nats://127.0.0.1:{nats_port}"
+    nats_auth = f"{nats_userinfo}@" if nats_userinfo else ""
+    redis_auth = f":{redis_password}@" if redis_password else ""
     argv = [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(grpc_port),
-            "--http-port", str(http_port), "--nats-url", nats_url,
-            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", *args]  # fmt: skip
+            "--http-port", str(http_port), "--nats-url", f"nats://{nats_auth}127.0.0.1:{nats_port}",
+            "--redis-url", f"redis://{redis_auth}127.0.0.1:{redis_port}/0", *args]  # fmt: skip
     full_env = dict(os.environ, EPD_DEMO_DIR=str(demo_dir), **(env or {}))
     proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    running = Running(proc, http_port, grpc_port, nats_url, demo_dir)
+    running = Running(proc, http_port, grpc_port, nats_url, demo_dir,
+                      f"redis://127.0.0.1:{redis_port}/0")  # fmt: skip
     try:
         wait_for_grpc(grpc_port, timeout_s=ready_s)
         deadline = time.monotonic() + 30
