@@ -19,7 +19,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
 # torch first, pinned. cpu: the CPU build from PyTorch's CPU index (~0.7 GB installed;
 # PyPI's Linux wheel is the CUDA build, ~2.5 GB more). cuda: PyPI's wheel (CUDA 12) plus
 # Triton for the GPU kernels. TORCH_INDEX_URL overrides the index of either (a mirror,
-# or e.g. https://download.pytorch.org/whl/cu128 for another CUDA version).
+# or e.g. https://download.pytorch.org/whl/cu128 for another CUDA version). A wheel of the
+# other kind (a local find-links copy sorts first: 2.13.0+cpu > 2.13.0) fails the build.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX_URL=""
@@ -31,7 +32,9 @@ RUN set -eu; \
             index="${TORCH_INDEX_URL:-https://pypi.org/simple}" ;; \
       *)    echo "TORCH_VARIANT must be cpu or cuda, got '$TORCH_VARIANT'" >&2; exit 2 ;; \
     esac; \
-    pip install --index-url "$index" --extra-index-url https://pypi.org/simple "$spec" $extra
+    pip install --index-url "$index" --extra-index-url https://pypi.org/simple "$spec" $extra; \
+    python -c "import sys, torch; cuda = torch.version.cuda; print('torch', torch.__version__, 'cuda', cuda); \
+sys.exit((cuda is None) != ('$TORCH_VARIANT' == 'cpu'))"
 
 # The other dependencies, from pyproject.toml alone: editing the source keeps this layer.
 WORKDIR /app

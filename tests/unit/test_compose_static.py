@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,6 +21,7 @@ import yaml
 from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
 from services.cli import build_parser
+from services.cli import main as cli_main
 from services.config import EngineConfig, ServiceConfig, env_overrides
 from services.observability import ObservabilityConfig
 
@@ -161,3 +164,50 @@ def test_dockerfile_layers_and_ignore():
     assert any("https://download.pytorch.org/whl/cpu" in ln for ln in lines)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests", "**/__pycache__"} <= set(ignored)
+
+
+@pytest.fixture
+def http_server():
+    """A local server answering GET with the status and body in ``answer`` (a dict)."""
+    answer = {"status": 200, "body": b""}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            answer["path"] = self.path
+            self.send_response(answer["status"])
+            self.end_headers()
+            self.wfile.write(answer["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_port, answer
+    server.shutdown()
+    thread.join()
+
+
+def test_health_command_needs_a_heartbeat(http_server, monkeypatch):
+    port, answer = http_server
+    monkeypatch.delenv("EPD_METRICS_PORT", raising=False)
+    assert cli_main(["health"]) == 2  # no metrics port: a configuration error
+    answer["body"] = b"# HELP epd_instance_running Requests running\n"  # loading: no beat yet
+    monkeypatch.setenv("EPD_METRICS_PORT", str(port))
+    assert cli_main(["health"]) == 1
+    answer["body"] += b'epd_instance_running{instance="decode-1",role="decode"} 0.0\n'
+    assert cli_main(["health"]) == 0
+    assert answer["path"] == "/metrics"
+
+
+def test_health_command_of_the_gateway(http_server, monkeypatch):
+    port, answer = http_server
+    monkeypatch.setenv("EPD_HTTP_PORT", str(port))
+    answer["status"] = 503  # no worker seen yet
+    assert cli_main(["health", "--gateway"]) == 1
+    answer["status"] = 200
+    assert cli_main(["health", "--gateway"]) == 0
+    assert answer["path"] == "/health"
+    server_gone = ["health", "--gateway", "--port", "1", "--timeout", "1"]
+    assert cli_main(server_gone) == 1
