@@ -30,6 +30,10 @@ class SemanticCacheConfig(FromEnv):
     # (Embedding a question takes ~20-25 ms on one core of the development machine, more
     # while the engine computes beside it.)
     cache_lookup_timeout_ms: float = 250.0
+    # Gateway: the exact-tier lookup, asked before the workers start, may take this long
+    # (one Redis read answers it in a millisecond or two; past it the workers start and
+    # the full lookup races them).
+    cache_exact_timeout_ms: float = 30.0
     # Gateway: how long a store may take (in the background, after the answer is sent).
     cache_store_timeout_ms: float = 1000.0
     # Cache service: a fingerprint's entries are searched exactly up to this many, then
@@ -40,6 +44,7 @@ class SemanticCacheConfig(FromEnv):
         if not 0.0 < self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in (0, 1], got {self.cache_threshold}")
         for name in ("cache_ttl_s", "cache_max_entries", "cache_lookup_timeout_ms",
+                     "cache_exact_timeout_ms",
                      "cache_store_timeout_ms", "cache_ann_from"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -33,9 +33,6 @@ from services.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
 log = logging.getLogger(__name__)
 
 _REPLAY_CHUNK = 16  # tokens per streamed chunk of a cached answer
-# The exact-only lookup runs before the workers start; one Redis read answers it in a
-# millisecond or two, so past this the workers start and the full lookup races them.
-_EXACT_TIMEOUT_S = 0.03
 _NOT_KEYED = ("max_tokens", "detokenize", "seed")  # max_tokens: see cache_svc fits()
 
 
@@ -121,7 +118,7 @@ class ResponseCache:
         query.MergeFrom(query_of)
         timeout_s = self.config.cache_lookup_timeout_ms / 1e3
         if exact_only:  # it holds the workers back: a slow cache must not
-            timeout_s = min(timeout_s, _EXACT_TIMEOUT_S)
+            timeout_s = min(timeout_s, self.config.cache_exact_timeout_ms / 1e3)
         try:
             reply = await self.client.lookup(query, timeout_s)
         except Exception as e:  # slow or gone: the engine serves it

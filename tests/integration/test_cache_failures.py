@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(tmp_path_factory, nats_server):
     redis = start_redis()
-    on = SemanticCacheConfig(cache_lookup_timeout_ms=500)
+    on = SemanticCacheConfig(cache_lookup_timeout_ms=500, cache_exact_timeout_ms=500)
     engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
                           num_kv_blocks=256)  # fmt: skip
     cache = CacheService(service_config(nats_server.url, redis.url, "cache-f"), on)
@@ -60,7 +60,7 @@ async def test_requests_survive_the_cache_and_redis_going_away(fleet):
     text = [{"role": "user", "content": "Name a color of the rainbow."}]
     status, answer = await ask(client, text)
     assert status == "miss" and answer
-    await asyncio.sleep(0.3)
+    await asyncio.gather(*list(stack.gateway.core.cache._tasks))  # the answer is stored
     assert (await ask(client, text))[0] == "hit-exact"
     redis.stop()  # Redis killed: cache misses, embeddings travel as blobs to prefill
     for seed in range(3):

@@ -19,7 +19,9 @@ from tests.integration.stack import service_config, start_disaggregated, start_g
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-ON = SemanticCacheConfig(cache_lookup_timeout_ms=2000)
+# Generous lookup limits: under a loaded CI machine a 30 ms exact tier would time out and
+# turn an exact hit into a semantic one.
+ON = SemanticCacheConfig(cache_lookup_timeout_ms=2000, cache_exact_timeout_ms=2000)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -41,6 +43,13 @@ async def fleet(tmp_path_factory, nats_server, redis_server):
     await other.stop()
     await stack.stop()
     await cache.stop()
+
+
+async def settled(fleet) -> None:
+    """Every answer the gateways are storing is stored (stores run after the answer)."""
+    stack, other, _ = fleet
+    for gw in (stack.gateway, other):
+        await asyncio.gather(*list(gw.core.cache._tasks))
 
 
 def client_of(gateway, **kw) -> openai.AsyncOpenAI:
@@ -65,7 +74,7 @@ async def test_exact_and_paraphrase_hits_are_shared_by_gateways(fleet):
     a, b = client_of(stack.gateway), client_of(other)
     status, first = await ask(a, "What is the capital of France?")
     assert status == "miss"
-    await asyncio.sleep(0.3)  # the store runs after the answer is sent
+    await settled(fleet)  # the store runs after the answer is sent
     status, again = await ask(b, "What is the capital of France?")
     assert status == "hit-exact"
     assert again.choices[0].message.content == first.choices[0].message.content
@@ -91,7 +100,7 @@ async def test_an_exact_hit_never_reaches_the_workers(fleet):
     try:
         a = client_of(stack.gateway)
         assert (await ask(a, "Name a large mammal of the Arctic."))[0] == "miss"
-        await asyncio.sleep(0.3)
+        await settled(fleet)
         assert (await ask(a, "Name a large mammal of the Arctic."))[0] == "hit-exact"
         assert len(started) == 1
         assert (await ask(a, "Which big mammal lives in the Arctic?"))[0] == "hit-semantic"
@@ -114,7 +123,7 @@ async def test_hard_negatives_never_hit(fleet, stored, asked):
     stack, _, _ = fleet
     a = client_of(stack.gateway)
     await ask(a, stored)
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     assert (await ask(a, stored))[0] == "hit-exact"  # it was stored
     assert (await ask(a, asked))[0] == "miss"
 
@@ -124,7 +133,7 @@ async def test_other_fingerprints_never_hit(fleet, tmp_path):
     a = client_of(stack.gateway)
     q = "Which ocean is the largest on Earth?"
     await ask(a, q)
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     assert (await ask(a, q))[0] == "hit-exact"
     assert (await ask(a, q, system="Answer in French."))[0] == "miss"
     assert (await ask(a, q, extra_body={"top_k": 5}))[0] == "miss"
@@ -147,7 +156,7 @@ async def test_max_tokens_rules(fleet):
     q = "Tell me about the history of the violin."
     status, cut = await ask(a, q, max_tokens=4, extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "length"
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     assert (await ask(a, q, max_tokens=4, extra_body={"ignore_eos": True}))[0] == "hit-exact"
     # An answer cut at 4 tokens serves only max_tokens=4.
     assert (await ask(a, q, max_tokens=6, extra_body={"ignore_eos": True}))[0] == "miss"
@@ -158,10 +167,10 @@ async def test_n_is_part_of_the_key(fleet):
     a = client_of(stack.gateway)
     q = "Which planet has the most moons?"
     assert (await ask(a, q))[0] == "miss"
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     status, two = await ask(a, q, n=2)
     assert status == "miss" and len(two.choices) == 2
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     status, again = await ask(a, q, n=2)
     assert status == "hit-exact"
     assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]
@@ -175,9 +184,9 @@ async def test_request_header_modes(fleet):
     no_store = client_of(stack.gateway, default_headers={"x-epd-cache": "no-store"})
     plain = client_of(stack.gateway)
     assert (await ask(no_store, q))[0] == "miss"
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     assert (await ask(plain, q))[0] == "miss"  # no-store stored nothing (this one stores)
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     assert (await ask(bypass, q))[0] == "miss"
     assert (await ask(store_only, q))[0] == "miss"  # no-cache never reads
     assert (await ask(plain, q))[0] == "hit-exact"
@@ -190,7 +199,7 @@ async def test_a_streamed_hit_is_well_formed_sse(fleet):
     a = client_of(stack.gateway)
     q = "Why is the sky blue during the day?"
     _, full = await ask(a, q, max_tokens=24)
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     raw = await a.chat.completions.with_raw_response.create(
         model="demo", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24,
         stream=True, stream_options={"include_usage": True},
@@ -213,7 +222,7 @@ async def test_grpc_gets_the_cache_too(fleet):
     call = stack.stub.GenerateOnce(req)
     assert dict(await call.initial_metadata())["x-epd-cache"] == "miss"
     first = await call
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     call = stack.stub.GenerateOnce(req)
     assert dict(await call.initial_metadata())["x-epd-cache"] == "hit-exact"
     assert (await call).token_ids == first.token_ids
@@ -229,7 +238,7 @@ async def test_a_restarted_replica_rebuilds_its_index(fleet, nats_server, redis_
     stack, _, cache = fleet
     a = client_of(stack.gateway)
     await ask(a, "How long should I rest a steak after cooking it?")
-    await asyncio.sleep(0.3)
+    await settled(fleet)
     await cache.stop()
     fresh = CacheService(service_config(nats_server.url, redis_server.url, "cache-b"), ON)
     await fresh.start()
