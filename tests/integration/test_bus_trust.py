@@ -42,7 +42,7 @@ from services.kv_connector import NatsKVSender
 from services.metrics import DROPPED_UPDATES
 from services.wire import spans_to_proto
 from tests.helpers.checkpoints import random_image
-from tests.helpers.lenient_stack import start_lenient
+from tests.integration.stack import start_disaggregated
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -60,9 +60,9 @@ def engine_config(tmp_path_factory) -> EngineConfig:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(engine_config, nats_server, redis_server):
     # Default heartbeat and TTL: a late beat under load must not move the streams that
-    # these tests compare token by token (tests/helpers/lenient_stack.py).
-    s = await start_lenient(engine_config, nats_server.url, redis_server.url, "trust",
-                            num_decode=1)  # fmt: skip
+    # these tests compare token by token (start_disaggregated's ``lenient``).
+    s = await start_disaggregated(engine_config, nats_server.url, redis_server.url, "trust",
+                                  num_decode=1, lenient=True)  # fmt: skip
     yield s
     await s.stop()
 

@@ -25,7 +25,7 @@ import pytest_asyncio
 
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
-from tests.helpers.lenient_stack import start_lenient
+from tests.integration.stack import start_disaggregated
 
 pytestmark = [
     pytest.mark.slow,
@@ -45,11 +45,12 @@ REQUEST_S = 120.0  # one request that takes longer than this is a hang
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory, nats_server, redis_server):
-    """The in-process fleet with the default heartbeat and TTL (tests/helpers/
-    lenient_stack.py says why: 200 streams on one event loop delay the beats)."""
+    """The in-process fleet with the default heartbeat and TTL (start_disaggregated's
+    ``lenient`` says why: 200 streams on one event loop delay the beats)."""
     engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
                           num_kv_blocks=2048)  # fmt: skip
-    s = await start_lenient(engine, nats_server.url, redis_server.url, "soak")
+    s = await start_disaggregated(engine, nats_server.url, redis_server.url, "soak",
+                                  lenient=True)  # fmt: skip
     yield s
     await s.stop()
 
