@@ -6,6 +6,14 @@
 #
 # Layers: OS packages -> torch -> the other dependencies (read from pyproject.toml) ->
 # the source. A source change rebuilds only the last, small layer.
+
+# The dependency list alone: other pyproject.toml edits (tool settings, extras) leave the
+# dependency layer below cached, since COPY --from compares the list's content.
+FROM python:3.11-slim AS requirements
+COPY pyproject.toml /
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /requirements.txt
+
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
@@ -36,15 +44,12 @@ RUN set -eu; \
     python -c "import sys, torch; cuda = torch.version.cuda; print('torch', torch.__version__, 'cuda', cuda); \
 sys.exit((cuda is None) != ('$TORCH_VARIANT' == 'cpu'))"
 
-# The other dependencies, from pyproject.toml alone: editing the source keeps this layer.
-WORKDIR /app
-COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt "setuptools>=68" wheel \
-    && rm /tmp/requirements.txt
+# The other dependencies: editing the source keeps this layer.
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+RUN pip install -r /tmp/requirements.txt "setuptools>=68" wheel && rm /tmp/requirements.txt
 
-COPY README.md ./
+WORKDIR /app
+COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY services ./services
 COPY gateway ./gateway

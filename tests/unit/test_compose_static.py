@@ -157,8 +157,8 @@ def test_gpu_overlay():
 def test_dockerfile_layers_and_ignore():
     lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines()]
     at = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
-          for key in ("COPY pyproject.toml", "RUN python -c \"import tomllib", "COPY services",
-                      "RUN pip install --no-deps")}  # fmt: skip
+          for key in ("COPY --from=requirements /requirements.txt", "RUN pip install -r",
+                      "COPY services", "RUN pip install --no-deps")}  # fmt: skip
     assert list(at.values()) == sorted(at.values()), "dependencies before the source"
     assert "ARG TORCH_VARIANT=cpu" in lines
     assert any("https://download.pytorch.org/whl/cpu" in ln for ln in lines)
