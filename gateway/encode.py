@@ -30,6 +30,7 @@ from services.bus import subjects
 from services.bus.blobs import fits_inline, send_blob
 from services.bus.connection import Bus
 from services.bus.errors import BusError
+from services.metrics import MIGRATIONS
 from services.wire import STATUS
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ImageEncoder:
             except WorkerLost as lost:
                 lease.failed()
                 failed.add(lease.instance_id)
+                MIGRATIONS.labels(subjects.ROLE_ENCODE, "retry").inc()
                 log.warning("image %s moves on: %s", digest[:12], lost)
                 continue
             finally:

@@ -1,0 +1,94 @@
+"""An encoder killed while it holds an image: the image is encoded on another encoder and
+the request completes with the tokens of an undisturbed run. Encoders, prefill and decode
+run as `epd serve` processes (demo VLM); the gateway runs here."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+
+import grpc
+import pytest
+
+from gateway.config import GatewayConfig
+from protos.epd_pb import inference_pb2 as pb
+from protos.epd_pb import inference_pb2_grpc as pbg
+from services.bus import subjects
+from services.config import EngineConfig
+from services.metrics import MIGRATIONS
+from services.models.info import ModelInfo
+from tests.helpers.checkpoints import random_image
+from tests.helpers.fleet import ProcessFleet, fail_message
+from tests.integration.stack import service_config, start_gateway
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
+
+
+def _request(seed: int) -> pb.GenerateRequest:
+    buf = io.BytesIO()
+    random_image(seed, (64, 64)).save(buf, format="PNG")
+    msg = pb.ChatMessage(role="user", parts=[pb.ContentPart(image=buf.getvalue()),
+                                             pb.ContentPart(text="what is this?")])  # fmt: skip
+    sp = pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return pb.GenerateRequest(chat=pb.Chat(messages=[msg]), sampling=sp)
+
+
+async def test_an_encoder_killed_mid_encode_is_replaced(tmp_path, nats_server, redis_server):
+    demo = str(tmp_path / "demo")
+    engine = EngineConfig(model="demo", demo_dir=demo)
+    fleet = ProcessFleet("demo", nats_server.url, redis_server.url, tmp_path,
+                         {"EPD_DEMO_DIR": demo, "EPD_NUM_KV_BLOCKS": "256"})  # fmt: skip
+    gw = channel = None
+    try:
+        await asyncio.to_thread(ModelInfo.load, engine)  # the demo checkpoint, before the children
+        encoders = [fleet.spawn("encoder", f"e{i}") for i in range(2)]  # the CLI role name
+        fleet.spawn(subjects.ROLE_PREFILL, "p0")
+        fleet.spawn(subjects.ROLE_DECODE, "d0")
+        gw = await start_gateway(engine, service_config(nats_server.url, redis_server.url, "gw-e"),
+                                 aggregated=False,
+                                 api=GatewayConfig(http_port=0, router_policy="round_robin"))  # fmt: skip
+        backend = gw.core.backend
+        try:
+            await backend.registry.wait_for(
+                lambda: len(backend.router.live("encode")) == 2 and backend.ready(), 180
+            )
+        except TimeoutError:
+            pytest.fail(f"the fleet never came up:\n{fail_message(fleet)}")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
+        stub = pbg.InferenceStub(channel)
+        reference = list((await stub.GenerateOnce(_request(1), timeout=60)).token_ids)
+        await _flush_embeddings(redis_server.url)  # the image must be encoded again
+        before = MIGRATIONS.labels("encode", "retry")._value.get()
+        for e in encoders:  # frozen: whichever gets the image holds it without answering
+            e.proc.send_signal(signal.SIGSTOP)
+        try:
+            call = asyncio.ensure_future(stub.GenerateOnce(_request(1), timeout=60))
+            router = backend.router
+            await backend.registry.wait_for(
+                lambda: any(router.inflight("encode", e.instance_id) for e in encoders), 10
+            )
+            victim = next(e for e in encoders if router.inflight("encode", e.instance_id))
+            victim.kill()
+        finally:
+            for e in encoders:
+                if e.proc.poll() is None:
+                    e.proc.send_signal(signal.SIGCONT)
+        assert list((await call).token_ids) == reference
+        assert MIGRATIONS.labels("encode", "retry")._value.get() - before == 1
+    finally:
+        if channel is not None:
+            await channel.close()
+        if gw is not None:
+            await gw.stop()
+        fleet.stop()
+
+
+async def _flush_embeddings(url: str) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    keys = [k async for k in client.scan_iter("epd:emb:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
