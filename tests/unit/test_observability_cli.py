@@ -19,7 +19,13 @@ from services.cli import build_parser
 from services.config import EngineConfig, ServiceConfig
 from services.config_docs import field_comments
 from services.metrics import subject_kind
-from services.observability import ObservabilityConfig, bind_request, identity, make_handler
+from services.observability import (
+    ObservabilityConfig,
+    bind_request,
+    identity,
+    make_handler,
+    set_process_identity,
+)
 
 CONFIGS = (EngineConfig, ServiceConfig, GatewayConfig, SemanticCacheConfig, ObservabilityConfig)
 
@@ -48,6 +54,8 @@ def test_field_comments_read_the_comment_above_each_field():
 
 
 def _capture(fmt: str) -> tuple[logging.Logger, io.StringIO]:
+    # A CLI run in this process (another test's `epd health`) names the process's lines.
+    set_process_identity("", "")
     buf = io.StringIO()
     logger = logging.getLogger(f"test.observability.{fmt}")
     logger.handlers[:] = [make_handler(ObservabilityConfig(log_format=fmt), stream=buf)]
