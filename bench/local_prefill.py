@@ -28,10 +28,13 @@ from _stack import HOST, Fleet  # noqa: E402
 WORDS = {32: 6, 128: 30, 480: 118}  # words per prompt -> about that many prompt tokens
 
 
-def request(round_id: int, words: int):
+def request(round_id: int, words: int, system: str):
     from protos.epd_pb import inference_pb2 as pb
 
-    text = " ".join(f"r{round_id}w{j}" for j in range(words))
+    # Words unique to the round and the system: a decode instance keeps the imported KV
+    # of a split request in its prefix cache, so the same prompt sent to both systems
+    # would favour whichever goes second.
+    text = " ".join(f"{system}{round_id}w{j}" for j in range(words))
     msg = pb.ChatMessage(role="user", parts=[pb.ContentPart(text=text)])
     sp = pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     return pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[msg]), sampling=sp)
@@ -45,19 +48,19 @@ async def run(ports: dict[str, int], rounds: int, warmup: int) -> dict:
     channels = {k: grpc.aio.insecure_channel(f"{HOST}:{p}") for k, p in ports.items()}
     stubs = {k: pbg.InferenceStub(c) for k, c in channels.items()}
     ttft: dict[tuple[str, int], list[float]] = {}
-    tokens: dict[tuple[str, int, int], tuple] = {}
     mismatches = 0
     try:
         for r in range(-warmup, rounds):
             order = list(stubs) if r % 2 == 0 else list(reversed(stubs))
             for length, words in WORDS.items():
                 for name in order:
-                    s = await timed(stubs[name], "text", request(r, words))
+                    s = await timed(stubs[name], "text", request(r, words, name))
                     if r >= 0:
                         ttft.setdefault((name, length), []).append(s.ttft_s * 1e3)
-                        tokens[(name, length, r)] = s.tokens
-                if r >= 0:
-                    mismatches += tokens[("split", length, r)] != tokens[("local", length, r)]
+                if r >= 0:  # the same prompt on both paths, for the comparison only
+                    same = request(r, words, "same")
+                    pair = [(await timed(stubs[n], "text", same)).tokens for n in stubs]
+                    mismatches += pair[0] != pair[1]
     finally:
         for c in channels.values():
             await c.close()
