@@ -14,6 +14,7 @@ from services.bus.deadline import timeout_for
 from services.bus.errors import BusError
 from services.kv_connector import KVSender
 from services.metrics import KV_BYTES_SENT, KV_TRANSFER_SECONDS
+from services.observability import bind_request
 from services.outputs import RequestOutput
 from services.wire import FINISH_TO_PROTO, STATUS, error, logprobs_from_dict, logprobs_to_proto
 
@@ -54,6 +55,7 @@ class HandOff:
 
     async def hand_over(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
         """Ship the KV and the DecodeRequest; on failure the gateway gets a clear error."""
+        bind_request(req.request_id)  # this task's log lines are about that request
         try:
             await self._send(req, upd, kv)
         except (BusError, HandOffError, ValueError, OSError) as e:
