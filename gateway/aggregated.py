@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from gateway.events import BackendError, TokenEvent, events_from_output
 from gateway.prepare import PreparedRequest
+from services import metrics
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.parallel_sampling import child_request_id
 
@@ -16,8 +17,18 @@ class AggregatedBackend:
     """Serves prepared requests from an in-process ``AsyncEngine`` (n > 1 included: the
     engine runs the choices over one prompt)."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, instance_id: str = "all"):
         self.engine = engine
+        self.instance_id = instance_id
+
+    def refresh_metrics(self) -> None:
+        """The engine's load gauges (a fleet instance sets them on every heartbeat; this
+        process sends none, so they are read when /metrics is scraped)."""
+        load, labels = self.engine.load(), ("all", self.instance_id)
+        metrics.RUNNING.labels(*labels).set(load["running"])
+        metrics.WAITING.labels(*labels).set(load["waiting"])
+        metrics.KV_BLOCKS_FREE.labels(*labels).set(load["free_blocks"])
+        metrics.KV_BLOCKS_USED.labels(*labels).set(load["total_blocks"] - load["free_blocks"])
 
     async def start(self) -> None:
         self.engine.start()

@@ -90,7 +90,7 @@ class Gateway(Service):
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
 
-            return AggregatedBackend(AsyncEngine(LLMEngine(self.engine_config)))
+            return AggregatedBackend(AsyncEngine(LLMEngine(self.engine_config)), self.instance_id)
         from gateway.disaggregated import DisaggregatedBackend
 
         return DisaggregatedBackend(self.engine_config, self.config, self.instance_id, self.api)

@@ -102,6 +102,9 @@ def _get_routes(app: FastAPI, core: GatewayCore) -> None:
 
     @app.get("/metrics", summary="Prometheus metrics (epd_*)", include_in_schema=False)
     async def metrics() -> Response:
+        refresh = getattr(core.backend, "refresh_metrics", None)
+        if refresh is not None:  # serve all: the engine's gauges, read now
+            refresh()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -188,3 +188,20 @@ async def test_passwords_in_urls_never_reach_the_logs(engine_config, secured, js
         assert "encoder-secret ready" in output  # the start was captured
         assert NATS_PASSWORD not in output and REDIS_PASSWORD not in output
         assert "alice:***@" in output
+
+
+async def test_serve_all_reports_its_engine_load_on_metrics(engine_config, nats_server,
+                                                            redis_server):  # fmt: skip
+    """`epd serve all` sends no heartbeat: its engine's gauges are read at scrape time."""
+    cfg = service_config(nats_server.url, redis_server.url, "all-gauges")
+    gw = await start_gateway(engine_config, cfg, aggregated=True)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http:
+            text = (await http.get("/metrics")).text
+        samples = {(s.name, s.labels.get("instance")): s.value
+                   for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+        free = samples[("epd_instance_kv_blocks_free", "all-gauges")]
+        used = samples[("epd_instance_kv_blocks_used", "all-gauges")]
+        assert free > 0 and used == 0 and samples[("epd_instance_running", "all-gauges")] == 0
+    finally:
+        await gw.stop()
