@@ -34,9 +34,11 @@ class Lease:
             self.router._inflight[(self.role, self.instance_id)] -= 1
 
     def failed(self) -> None:
-        """The instance failed this request: release, and count it for the breaker."""
+        """The instance failed this request: release, and count it for the breaker
+        (unless it is draining: a hand-back at its deadline is no fault)."""
         self.release()
-        self.router.failed(self.role, self.instance_id)
+        if not self.router.draining(self.role, self.instance_id):
+            self.router.failed(self.role, self.instance_id)
 
 
 class Router:
@@ -89,6 +91,11 @@ class Router:
 
     def note_prefix(self, role: str, instance_id: str, hashes) -> None:
         self._policy(role).prefixes.record(instance_id, hashes)
+
+    def draining(self, role: str, instance_id: str) -> bool:
+        """The instance announced it is shutting down (and still beats)."""
+        live = self.registry.live(role, include_draining=True)
+        return any(i.instance_id == instance_id and i.load.draining for i in live)
 
     def failed(self, role: str, instance_id: str) -> None:
         key = (role, instance_id)

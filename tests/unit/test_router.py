@@ -141,3 +141,15 @@ def test_total_silence_is_a_stall_here_until_three_expiries():
     assert [i.instance_id for i in registry.live("decode")] == ["d0"]
     clock.t = 5.0 + 9.5
     assert registry.live("decode") == []
+
+
+def test_a_draining_instance_handing_work_back_is_not_a_fault():
+    router = _router(breaker_failures=1, router_policy="round_robin")
+    lease = router.pick("decode")
+    beat(router.registry, lease.instance_id, draining=True)
+    lease.failed()  # its hand-back at the drain deadline
+    assert router.inflight("decode", lease.instance_id) == 0
+    assert not router._is_open("decode", lease.instance_id)
+    other = router.pick("decode")
+    other.failed()  # a real failure opens the breaker at once (breaker_failures=1)
+    assert router._is_open("decode", other.instance_id)
