@@ -80,11 +80,6 @@ class PrefixIndex:
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
 
-    def forget(self, instance_id: str) -> None:
-        """An instance is gone: its cache went with it."""
-        for key in [k for k in self._seen if k[0] == instance_id]:
-            del self._seen[key]
-
 
 class Policy:
     """Picks one of the candidates (never empty) for a request."""
