@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     hc.add_argument("--port", type=int, default=None, help="port to ask instead")
     hc.add_argument("--timeout", type=float, default=3.0, help="seconds (3)")
     hc.set_defaults(func=_health)
+    from services.bench.cli import add_bench_parser  # argparse only; httpx loads on a run
+
+    add_bench_parser(sub)
     return parser
 
 

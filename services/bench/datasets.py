@@ -1,0 +1,98 @@
+"""Benchmark datasets generated in code (no downloads): ``random`` and ``chat``."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+DATASETS = ("random", "chat")
+
+# Common short English words: most tokenizers map each (with its leading space) to one token,
+# so a prompt of N words is about N tokens.
+_WORD_TEXT = (
+    "the of and to in is was for on are with as by at be this from or have an they which "
+    "one you had not but what all were when we there can more if no out so said time about "
+    "up into than them only other new some could these two may first then do any like my "
+    "now over such our man me even most made after also did many before must through back "
+    "years where much your way well down should because each just those people how too "
+    "little state good very make world still own see men work long get here between both "
+    "life being under never day same another know while last might us great old year off "
+    "come since against go came right used take three"
+)
+_WORDS = tuple(_WORD_TEXT.split())
+
+_TOPICS = ("gardening", "sailing", "bread baking", "chess openings", "bird watching",
+           "bicycle repair", "star gazing", "coffee brewing", "rock climbing", "pottery")  # fmt: skip
+_QUESTIONS = (
+    "What should a beginner know about {t}?",
+    "Which tools do I need to start with {t}?",
+    "What is the most common mistake people make in {t}?",
+    "How much time per week does {t} take to get good at?",
+    "Can you suggest a first small project for {t}?",
+)
+_ANSWERS = (
+    "Start small, keep notes, and repeat the basics until they feel easy.",
+    "A few simple tools are enough at first; buy better ones once you know what you miss.",
+    "Most people rush; slowing down and watching someone experienced helps a lot.",
+)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request to send: chat messages (the completions endpoint joins their text)."""
+
+    messages: list[dict[str, str]]
+    max_tokens: int
+    prompt_words: int  # words in the prompt: the input-length proxy without a tokenizer
+
+    @property
+    def prompt(self) -> str:
+        """The messages as one completion prompt."""
+        return "\n".join(m["content"] for m in self.messages)
+
+
+def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+    """A length uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
+    lo, hi = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
+    return max(1, rng.randint(lo, max(lo, hi)))
+
+
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
+                    seed: int) -> list[BenchRequest]:  # fmt: skip
+    """``n`` prompts of about ``input_len`` words; each asks for about ``output_len`` tokens."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [rng.choice(_WORDS) for _ in range(_length(rng, input_len, range_ratio))]
+        out.append(BenchRequest(messages=[{"role": "user", "content": " ".join(words)}],
+                                max_tokens=_length(rng, output_len, range_ratio),
+                                prompt_words=len(words)))  # fmt: skip
+    return out
+
+
+def chat_requests(n: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """``n`` synthetic conversations of 1-3 turns ending in a user question."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        topic = rng.choice(_TOPICS)
+        messages: list[dict[str, str]] = []
+        for _turn in range(rng.randint(0, 2)):
+            messages.append({"role": "user", "content": rng.choice(_QUESTIONS).format(t=topic)})
+            messages.append({"role": "assistant", "content": rng.choice(_ANSWERS)})
+        messages.append({"role": "user", "content": rng.choice(_QUESTIONS).format(t=topic)})
+        words = sum(len(m["content"].split()) for m in messages)
+        out.append(BenchRequest(messages=messages, max_tokens=output_len, prompt_words=words))
+    return out
+
+
+def make_requests(name: str, n: int, input_len: int, output_len: int, range_ratio: float,
+                  seed: int) -> list[BenchRequest]:  # fmt: skip
+    """The dataset ``name`` with ``n`` requests, deterministic for a seed."""
+    if name == "random":
+        return random_requests(n, input_len, output_len, range_ratio, seed)
+    if name == "chat":
+        return chat_requests(n, output_len, seed)
+    raise ValueError(f"unknown dataset {name!r} (have: {', '.join(DATASETS)})")
