@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -85,6 +86,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     """``epd bench serve``: print the table, write the JSON; 1 when every request failed."""
     from services.bench.report import format_table, write_json
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     doc = asyncio.run(bench_serve(args))
     print(format_table(doc["summary"]))
     if args.result_json:
