@@ -7,6 +7,7 @@ SIGKILL: no draining heartbeat, no goodbye, the connection just drops.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -83,3 +84,24 @@ def text_fleet_env(ckpt: Path, num_kv_blocks: int = 512) -> dict[str, str]:
 
 def fail_message(fleet: ProcessFleet) -> str:
     return "\n".join(f"--- {w.instance_id}\n{w.log_tail()}" for w in fleet.workers)
+
+
+async def kill_the_holder(workers: list[Worker], role: str, gateway, send):
+    """Freeze ``workers`` (SIGSTOP: whichever gets the work holds it without a word),
+    start ``send()``, kill -9 the one the gateway's router shows holding it, resume the
+    others; returns the started call. ``role``: the router's role name ("encode", ...)."""
+    backend = gateway.core.backend
+    for w in workers:
+        w.proc.send_signal(signal.SIGSTOP)
+    try:
+        call = asyncio.ensure_future(send())
+        await backend.registry.wait_for(
+            lambda: any(backend.router.inflight(role, w.instance_id) for w in workers), 10
+        )
+        holding = [w for w in workers if backend.router.inflight(role, w.instance_id)]
+        holding[0].kill()
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)
+    return call

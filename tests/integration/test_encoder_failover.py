@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import signal
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from services.config import EngineConfig
 from services.metrics import MIGRATIONS
 from services.models.info import ModelInfo
 from tests.helpers.checkpoints import random_image
-from tests.helpers.fleet import ProcessFleet, fail_message
+from tests.helpers.fleet import ProcessFleet, fail_message, kill_the_holder
 from tests.integration.stack import service_config, start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
@@ -60,20 +59,8 @@ async def test_an_encoder_killed_mid_encode_is_replaced(tmp_path, nats_server, r
         reference = list((await stub.GenerateOnce(_request(1), timeout=60)).token_ids)
         await _flush_embeddings(redis_server.url)  # the image must be encoded again
         before = MIGRATIONS.labels("encode", "retry")._value.get()
-        for e in encoders:  # frozen: whichever gets the image holds it without answering
-            e.proc.send_signal(signal.SIGSTOP)
-        try:
-            call = asyncio.ensure_future(stub.GenerateOnce(_request(1), timeout=60))
-            router = backend.router
-            await backend.registry.wait_for(
-                lambda: any(router.inflight("encode", e.instance_id) for e in encoders), 10
-            )
-            victim = next(e for e in encoders if router.inflight("encode", e.instance_id))
-            victim.kill()
-        finally:
-            for e in encoders:
-                if e.proc.poll() is None:
-                    e.proc.send_signal(signal.SIGCONT)
+        call = await kill_the_holder(encoders, subjects.ROLE_ENCODE, gw,
+                                     lambda: stub.GenerateOnce(_request(1), timeout=60))  # fmt: skip
         assert list((await call).token_ids) == reference
         assert MIGRATIONS.labels("encode", "retry")._value.get() - before == 1
     finally:

@@ -7,7 +7,6 @@ against the same request run undisturbed (greedy: identical)."""
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from services.bus import subjects
 from services.config import EngineConfig
 from services.metrics import MIGRATIONS
 from tests.helpers.checkpoints import make_text_checkpoint
-from tests.helpers.fleet import ProcessFleet, fail_message, text_fleet_env
+from tests.helpers.fleet import ProcessFleet, fail_message, kill_the_holder, text_fleet_env
 from tests.integration.stack import service_config, start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -167,21 +166,9 @@ async def test_kill9_of_a_prefill_holding_a_request_is_retried(gateway_factory, 
     gw, stub = await gateway_factory("round_robin")
     req = _request(300, tokens=32, words=40)
     reference = (await _reference(stub, [req]))[0]
-    router = gw.core.backend.router
     prefills = [w for w in fleet.workers if w.role == "prefill" and w.proc.poll() is None]
     before = MIGRATIONS.labels("prefill", "retry")._value.get()
-    for w in prefills:  # frozen: whichever gets the request holds it without answering
-        w.proc.send_signal(signal.SIGSTOP)
-    try:
-        call = asyncio.ensure_future(stub.GenerateOnce(req, timeout=120))
-        await gw.core.backend.registry.wait_for(
-            lambda: any(router.inflight("prefill", w.instance_id) for w in prefills), 10
-        )
-        victim = next(w for w in prefills if router.inflight("prefill", w.instance_id))
-        victim.kill()
-    finally:
-        for w in prefills:
-            if w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGCONT)
+    call = await kill_the_holder(prefills, subjects.ROLE_PREFILL, gw,
+                                 lambda: stub.GenerateOnce(req, timeout=120))  # fmt: skip
     assert list((await call).token_ids) == reference
     assert MIGRATIONS.labels("prefill", "retry")._value.get() - before == 1
