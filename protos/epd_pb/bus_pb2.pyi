@@ -391,3 +391,17 @@ class CacheStoreReply(_message.Message):
     stored: bool
     error: Error
     def __init__(self, stored: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EmbedReply(_message.Message):
+    __slots__ = ("vectors", "error")
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    vectors: Tensor
+    error: Error
+    def __init__(self, vectors: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
