@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.bus.auth import NatsAuth, take_url_credentials
+from services.engine.spec_config import SpeculativeConfig
 from services.redis_client import check_redis_url
 from services.urls import redact
 
@@ -108,8 +109,12 @@ class EngineConfig(FromEnv):
     kernel_cc: str = field(default_factory=lambda: os.environ.get("CC") or "cc")
     # Seed for dummy weights and for requests that bring no seed of their own.
     seed: int = 0
+    # Speculative decoding (services/engine/spec_config.py): a SpeculativeConfig, a dict
+    # or a JSON string (EPD_SPECULATIVE_CONFIG, --speculative-config); None: off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
