@@ -21,8 +21,9 @@ def add_bench_parser(sub: Any) -> None:
                                     "goodput, errors by kind and cache hits by kind.")  # fmt: skip
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="server's /v1 URL")
     p.add_argument("--model", required=True, help="model name sent in each request")
-    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                   help="chat (/chat/completions, default) | completions (/completions)")  # fmt: skip
+    p.add_argument("--endpoint", choices=("chat", "completions"), default=None,
+                   help="chat (/chat/completions, the default) | completions (/completions, "
+                        "the default with --random-token-ids)")  # fmt: skip
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--dataset", choices=("random", "chat"), default="random",
                    help=f"random (default) | chat (synthetic multi-turn); {_NOT_YET}")  # fmt: skip
@@ -31,6 +32,13 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--random-output-len", type=int, default=128, help="max_tokens (128)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [L*(1-r), L*(1+r)] (0: fixed)")  # fmt: skip
+    p.add_argument("--random-token-ids", action="store_true",
+                   help="random prompts as token ids (prompt: [ids] on /completions), so "
+                        "servers with different tokenizers get the same prompt tokens")  # fmt: skip
+    p.add_argument("--random-token-id-min", type=int, default=1000,
+                   help="smallest prompt token id (1000)")  # fmt: skip
+    p.add_argument("--random-token-id-max", type=int, default=30000,
+                   help="prompt token ids are below this (30000; keep it within the vocab)")  # fmt: skip
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, gamma arrivals (default inf: all at once)")  # fmt: skip
     p.add_argument("--burstiness", type=float, default=1.0,
@@ -61,8 +69,16 @@ async def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     from services.bench.report import result_document
 
     slo = parse_goodput(args.goodput)
+    token_ids = None
+    if args.random_token_ids:
+        if args.endpoint == "chat":
+            raise SystemExit("--random-token-ids sends completions prompts: drop --endpoint chat")
+        args.endpoint = "completions"
+        token_ids = (args.random_token_id_min, args.random_token_id_max)
+    args.endpoint = args.endpoint or "chat"
     reqs = make_requests(args.dataset, args.warmup + args.num_prompts, args.random_input_len,
-                         args.random_output_len, args.random_range_ratio, args.seed)  # fmt: skip
+                         args.random_output_len, args.random_range_ratio, args.seed,
+                         token_ids=token_ids)  # fmt: skip
     warm, measured = reqs[: args.warmup], reqs[args.warmup :]
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     url = args.base_url.rstrip("/") + path

@@ -66,7 +66,11 @@ def build_payload(req: BenchRequest, model: str, endpoint: str) -> dict[str, Any
     body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}, "ignore_eos": True,
                             "temperature": 0.0}  # fmt: skip
-    if endpoint == "chat":
+    if req.prompt_ids is not None:
+        if endpoint == "chat":
+            raise ValueError("token-id prompts go to the completions endpoint, not chat")
+        body["prompt"] = list(req.prompt_ids)
+    elif endpoint == "chat":
         body["messages"] = req.messages
     else:
         body["prompt"] = req.prompt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 DATASETS = ("random", "chat")
 
@@ -39,11 +40,16 @@ _ANSWERS = (
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request to send: chat messages (the completions endpoint joins their text)."""
+    """One request to send: chat messages (the completions endpoint joins their text).
 
-    messages: list[dict[str, str]]
+    With ``prompt_ids`` the request is a completions prompt of those token ids instead, so
+    servers with different tokenizers see the same prompt tokens.
+    """
+
+    messages: list[dict[str, Any]]
     max_tokens: int
-    prompt_words: int  # words in the prompt: the input-length proxy without a tokenizer
+    prompt_words: int  # words (or token ids) in the prompt: the input length without a tokenizer
+    prompt_ids: tuple[int, ...] | None = None  # sent as ``prompt: [ids]`` to /completions
 
     @property
     def prompt(self) -> str:
@@ -57,18 +63,30 @@ def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
     return max(1, rng.randint(lo, max(lo, hi)))
 
 
-def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
-                    seed: int) -> list[BenchRequest]:  # fmt: skip
-    """``n`` prompts of about ``input_len`` words; each asks for about ``output_len`` tokens."""
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
+                    token_ids: tuple[int, int] | None = None) -> list[BenchRequest]:  # fmt: skip
+    """``n`` prompts of about ``input_len`` words; each asks for about ``output_len`` tokens.
+
+    With ``token_ids=(lo, hi)`` each prompt is ``input_len`` token ids uniform in
+    ``[lo, hi)`` instead of words (sent to /completions as ``prompt: [ids]``).
+    """
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if token_ids is not None and not 0 <= token_ids[0] < token_ids[1]:
+        raise ValueError(f"token id range must satisfy 0 <= min < max, got {token_ids}")
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        words = [rng.choice(_WORDS) for _ in range(_length(rng, input_len, range_ratio))]
+        length = _length(rng, input_len, range_ratio)
+        max_tokens = _length(rng, output_len, range_ratio)
+        if token_ids is not None:
+            ids = tuple(rng.randrange(*token_ids) for _ in range(length))
+            out.append(BenchRequest(messages=[], max_tokens=max_tokens, prompt_words=length,
+                                    prompt_ids=ids))  # fmt: skip
+            continue
+        words = [rng.choice(_WORDS) for _ in range(length)]
         out.append(BenchRequest(messages=[{"role": "user", "content": " ".join(words)}],
-                                max_tokens=_length(rng, output_len, range_ratio),
-                                prompt_words=len(words)))  # fmt: skip
+                                max_tokens=max_tokens, prompt_words=len(words)))  # fmt: skip
     return out
 
 
@@ -89,10 +107,10 @@ def chat_requests(n: int, output_len: int, seed: int) -> list[BenchRequest]:
 
 
 def make_requests(name: str, n: int, input_len: int, output_len: int, range_ratio: float,
-                  seed: int) -> list[BenchRequest]:  # fmt: skip
+                  seed: int, token_ids: tuple[int, int] | None = None) -> list[BenchRequest]:  # fmt: skip
     """The dataset ``name`` with ``n`` requests, deterministic for a seed."""
     if name == "random":
-        return random_requests(n, input_len, output_len, range_ratio, seed)
+        return random_requests(n, input_len, output_len, range_ratio, seed, token_ids)
     if name == "chat":
         return chat_requests(n, output_len, seed)
     raise ValueError(f"unknown dataset {name!r} (have: {', '.join(DATASETS)})")

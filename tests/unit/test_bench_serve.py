@@ -198,6 +198,22 @@ def test_payload_asks_for_streamed_usage_and_exact_output_length() -> None:
     assert build_payload(req, "m", "completions")["prompt"] == req.prompt
 
 
+def test_token_id_prompts_are_uniform_in_the_range_and_go_to_completions() -> None:
+    reqs = random_requests(200, input_len=32, output_len=4, range_ratio=0.0, seed=5,
+                           token_ids=(1000, 1010))  # fmt: skip
+    assert reqs == random_requests(200, 32, 4, 0.0, seed=5, token_ids=(1000, 1010))
+    ids = [i for r in reqs for i in r.prompt_ids or ()]
+    assert len(ids) == 200 * 32 and set(ids) == set(range(1000, 1010))  # hi is excluded
+    assert all(r.prompt_words == 32 and not r.messages for r in reqs)
+    body = build_payload(reqs[0], "m", "completions")
+    assert body["prompt"] == list(reqs[0].prompt_ids) and body["ignore_eos"] is True
+    with pytest.raises(ValueError):
+        build_payload(reqs[0], "m", "chat")
+    for bad in ((10, 10), (-1, 5)):
+        with pytest.raises(ValueError):
+            random_requests(1, 4, 4, 0.0, seed=0, token_ids=bad)
+
+
 def test_cli_registers_bench_serve_and_the_report_has_no_nan() -> None:
     args = build_parser().parse_args(["bench", "serve", "--model", "m", "--request-rate", "2",
                                       "--goodput", "ttft:100", "tpot:10"])  # fmt: skip
