@@ -98,6 +98,24 @@ SEMANTIC_CACHE_ENTRIES = Gauge("epd_semantic_cache_entries", "Entries in this re
 SEMANTIC_CACHE_STORES = Counter("epd_semantic_cache_stores_total", "Answers stored, by result",
                                 ["result"])  # fmt: skip
 
+# -- semantic router (gateway) ---------------------------------------------------------
+ROUTER_DECISIONS = Counter("epd_router_decisions_total",
+                           "Requests the semantic router sent to a route, by route and model",
+                           ["route", "model"])  # fmt: skip
+ROUTER_GUARD = Counter("epd_router_guard_total",
+                       "Guard outcomes that found something, by guard (pii, jailbreak) and "
+                       "action (allow: found and let through, redact, block)",
+                       ["guard", "action"])  # fmt: skip
+ROUTER_SECONDS = Histogram("epd_router_decision_seconds",
+                           "Time of one router decision, the embedding wait included",
+                           buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))  # fmt: skip
+ROUTER_EMBEDDINGS = Counter("epd_router_embeddings_total",
+                            "Request embeddings the router asked for, by result (ok, unavailable)",
+                            ["result"])  # fmt: skip
+ROUTER_RELOADS = Counter("epd_router_config_reloads_total",
+                         "Router config reloads by result (ok, refused: the old config stays)",
+                         ["result"])  # fmt: skip
+
 # -- bus --------------------------------------------------------------------------------
 BUS_REQUEST_SECONDS = Histogram("epd_bus_request_seconds",
                                 "Round trip of one bus request, by the subject's first two "
