@@ -1,15 +1,20 @@
-"""The gateway service: gRPC (and OpenAI REST) in front of the aggregated engine or the fleet."""
+"""The gateway service: gRPC (and OpenAI REST) in front of the aggregated engine or the
+fleet; over the fleet, of one model or several (one core each, gateway/models.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+from collections.abc import Sequence
 
 from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
+from gateway.fleet_link import FleetLink
 from gateway.grpc_server import start_grpc_server, track_health
+from gateway.models import ModelSet
 from gateway.prepare import RequestPreparer
 from gateway.response_cache import BusCacheClient, LocalCacheClient, ResponseCache
 from gateway.rest.server import RestServer
@@ -24,18 +29,30 @@ log = logging.getLogger(__name__)
 
 class Gateway(Service):
     """``aggregated`` runs the engine here (``epd serve all``); otherwise requests go
-    E -> P -> D over NATS. The backend owns the bus (no heartbeat: routers route to
+    E -> P -> D over NATS. The fleet link owns the bus (no heartbeat: routers route to
     workers, clients find gateways); the drain stops gRPC and REST intake and lets
-    their streams finish within the grace."""
+    their streams finish within the grace.
+
+    ``models`` (else ``api.models``, else the engine config's one model): the
+    checkpoints served, each by its own instances on the bus; the first is the default
+    of requests that name none. ``core`` is the default model's."""
 
     role = subjects.ROLE_GATEWAY
 
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig, aggregated: bool,
-                 api: GatewayConfig | None = None,
-                 cache: SemanticCacheConfig | None = None):  # fmt: skip
+                 api: GatewayConfig | None = None, cache: SemanticCacheConfig | None = None,
+                 models: Sequence[str] | None = None):  # fmt: skip
         super().__init__(config)
-        self.engine_config = engine_config
         self.api = api or GatewayConfig()
+        names = list(models or self.api.models or (engine_config.model,))
+        if aggregated and len(names) > 1:
+            raise ValueError("'serve all' runs one model in this process; serve several "
+                             "over the fleet (epd up --model A --model B)")  # fmt: skip
+        self.engine_configs = [dataclasses.replace(engine_config, model=m) for m in names]
+        self.engine_config = self.engine_configs[0]
+        self.link: FleetLink | None = None
+        self.backends: list = []
+        self.models: ModelSet | None = None
         self.cache_config = cache or SemanticCacheConfig()
         self._local_cache = None  # serve all: the semantic cache in this process
         self.aggregated = aggregated
@@ -46,29 +63,39 @@ class Gateway(Service):
         self._intake_closing: list[asyncio.Task] = []
 
     async def load(self) -> None:
-        self.info = ModelInfo.load(self.engine_config)
-        self.tokenizer = load_tokenizer(self.info.model_dir, torch_free=True)
+        self.infos = [ModelInfo.load(c) for c in self.engine_configs]
+        self.tokenizers = [load_tokenizer(i.model_dir, torch_free=True) for i in self.infos]
+        self.info, self.tokenizer = self.infos[0], self.tokenizers[0]
 
     async def connect(self) -> None:
-        self.backend = await self._backend()
-        await self.backend.start()
+        if not self.aggregated:  # one bus connection and registry for every model
+            self.link = FleetLink(self.config, self.instance_id)
+            await self.link.start()
+        self.backends = [self._backend(c) for c in self.engine_configs]
+        self.backend = self.backends[0]
+        for backend in self.backends:
+            await backend.start()
 
     async def register(self) -> None:
-        preparer = RequestPreparer(self.info, self.tokenizer, self.config.request_timeout_s,
-                                   self.api)  # fmt: skip
-        cache = await self._cache(self.backend, self.info)
-        self.core = GatewayCore(preparer, self.backend, self.api, cache)
+        cores = []
+        for info, tokenizer, backend in zip(self.infos, self.tokenizers, self.backends,
+                                            strict=True):  # fmt: skip
+            preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s, self.api)
+            cores.append(GatewayCore(preparer, backend, self.api,
+                                     await self._cache(backend, info)))  # fmt: skip
+        self.models = ModelSet(cores)
+        self.core = self.models.default
         self.grpc_server, self.grpc_port, self._health = await start_grpc_server(
-            self.core, self.config.host, self.config.grpc_port
+            self.models, self.config.host, self.config.grpc_port
         )
         self._health_task = asyncio.create_task(
-            track_health(self._health, self.core, self.config.heartbeat_s / 2)
+            track_health(self._health, self.models, self.config.heartbeat_s / 2)
         )
-        self.rest = RestServer(self.core, self.config.host, self.api.http_port)
+        self.rest = RestServer(self.models, self.config.host, self.api.http_port)
         await self.rest.start()
         self.http_port = self.rest.port
-        log.info("gateway %s serving gRPC on port %d, REST on port %d", self.instance_id,
-                 self.grpc_port, self.http_port)  # fmt: skip
+        log.info("gateway %s serving %s: gRPC on port %d, REST on port %d", self.instance_id,
+                 ", ".join(self.models.names), self.grpc_port, self.http_port)  # fmt: skip
 
     async def _cache(self, backend, info: ModelInfo) -> ResponseCache | None:
         """The response cache: the cache service over the bus (fleet), or one in this
@@ -84,16 +111,17 @@ class Gateway(Service):
             client = BusCacheClient(backend.bus)
         return ResponseCache(client, self.cache_config, info.fingerprint)
 
-    async def _backend(self):
+    def _backend(self, engine_config: EngineConfig):
         if self.aggregated:
             from gateway.aggregated import AggregatedBackend
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
 
-            return AggregatedBackend(AsyncEngine(LLMEngine(self.engine_config)), self.instance_id)
+            return AggregatedBackend(AsyncEngine(LLMEngine(engine_config)), self.instance_id)
         from gateway.disaggregated import DisaggregatedBackend
 
-        return DisaggregatedBackend(self.engine_config, self.config, self.instance_id, self.api)
+        return DisaggregatedBackend(engine_config, self.config, self.instance_id, self.api,
+                                    self.link)  # fmt: skip
 
     async def stop_intake(self) -> None:
         """Health says NOT_SERVING (load balancers look elsewhere); both servers refuse
@@ -120,7 +148,9 @@ class Gateway(Service):
     async def release(self) -> None:
         # Past the grace: the servers stop for good before the backend (and its bus) goes.
         await asyncio.gather(*self._intake_closing, return_exceptions=True)
-        if self.backend is not None:
-            await self.backend.stop()
+        for backend in self.backends:
+            await backend.stop()
+        if self.link is not None:
+            await self.link.stop()
         if self._local_cache is not None:
             await self._local_cache.stop()

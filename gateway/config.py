@@ -13,6 +13,10 @@ from services.image_checks import MAX_IMAGE_PIXELS
 class GatewayConfig(FromEnv):
     """The gateway's own settings (``EPD_*`` variables, CLI flags). Validated at construction."""
 
+    # The models this gateway serves over the fleet (EPD_MODELS, comma-separated; or
+    # --model repeated), the first being the default of requests that name none. Empty:
+    # the engine's one model (EPD_MODEL / --model).
+    models: tuple[str, ...] = ()
     # OpenAI-compatible REST port (0: any free port).
     http_port: int = 8000
     # Bearer tokens accepted on /v1/* (EPD_API_KEY: comma-separated). Empty: no auth.
@@ -65,6 +69,7 @@ class GatewayConfig(FromEnv):
 
     def __post_init__(self) -> None:
         self.api_key = tuple(self.api_key)
+        self.models = tuple(self.models)
         self.allowed_media_domains = tuple(d.lower() for d in self.allowed_media_domains)
         if not 0 <= self.http_port < 65536:
             raise ValueError("http_port must be in 0..65535")

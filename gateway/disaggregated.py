@@ -20,6 +20,7 @@ from gateway.attempt import RETRYABLE, Route, WorkerLost, stream_updates, while_
 from gateway.config import GatewayConfig
 from gateway.encode import EmbeddingsMissing, Encodings, ImageEncoder
 from gateway.events import BackendError, TokenEvent
+from gateway.fleet_link import FleetLink
 from gateway.policies import RouteHint, block_hashes
 from gateway.prepare import PreparedRequest
 from gateway.reorder import UpdateOrderer
@@ -27,13 +28,10 @@ from gateway.router import Router
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.errors import BusError, NoResponders
-from services.bus.handlers import Incoming
-from services.bus.heartbeat import InstanceRegistry
 from services.config import EngineConfig, ServiceConfig
 from services.engine.parallel_sampling import child_request_id as choice_request_id
-from services.metrics import DROPPED_UPDATES, MIGRATIONS
+from services.metrics import MIGRATIONS
 from services.models.info import ModelInfo
-from services.runtime import connect_bus
 from services.sampling_params import choice_seed
 from services.wire import STATUS, params_to_proto, spans_to_proto
 
@@ -45,12 +43,17 @@ _PING_TIMEOUT_S = 1.0
 
 
 class DisaggregatedBackend:
+    """One model's requests over the fleet. ``link``: the gateway's connection shared
+    with its other models' backends (started and stopped by the gateway); without one
+    the backend opens its own."""
+
     def __init__(self, engine_config: EngineConfig, config: ServiceConfig, gateway_id: str,
-                 api: GatewayConfig | None = None):  # fmt: skip
+                 api: GatewayConfig | None = None, link: FleetLink | None = None):  # fmt: skip
         self.engine_config = engine_config
         self.config = config
         self.api = api or GatewayConfig()
         self.gateway_id = gateway_id
+        self.link, self._own_link = link, link is None
         self.bus = self.registry = self.encoder = self.router = None
         self.routes: dict[str, Route] = {}  # attempt's request id -> its route
         self.current: dict[str, str] = {}  # choice's request id -> its attempt's id
@@ -59,29 +62,29 @@ class DisaggregatedBackend:
     async def start(self) -> None:
         self.info = ModelInfo.load(self.engine_config)
         self.eos = list(self.info.eos_token_ids())
-        self.bus = await connect_bus(self.config, self.gateway_id)
-        self.registry = InstanceRegistry(self.bus, [subjects.ROLE_ENCODE, subjects.ROLE_PREFILL,
-                                                    subjects.ROLE_DECODE],
-                                         expiry_s=self.config.instance_ttl_s)  # fmt: skip
-        await self.registry.start()
+        if self._own_link:
+            self.link = FleetLink(self.config, self.gateway_id)
+            await self.link.start()
+        self.bus, self.registry, self.routes = self.link.bus, self.link.registry, self.link.routes
         self.router = Router(self.registry, self.info.fingerprint, self.api)
         self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
                                     self.router, self.alive, self.answers_ping)  # fmt: skip
-        await self.bus.subscribe(subjects.out(self.gateway_id), self._on_tokens)
 
     async def stop(self) -> None:
-        if self.registry is not None:
-            await self.registry.stop()
-        if self.bus is not None:
-            await self.bus.close()
+        if self._own_link and self.link is not None:
+            await self.link.stop()
 
     def ready(self) -> bool:
         """Serving needs a prefill and a decode instance (and an encoder for a VLM)."""
-        if self.bus is None or not self.bus.is_connected:
+        if not self.serving():
             return False
-        roles = [subjects.ROLE_PREFILL, subjects.ROLE_DECODE]
-        roles += [subjects.ROLE_ENCODE] if self.info.vision else []
-        return all(self.router.live(role) for role in roles)
+        return not self.info.vision or bool(self.router.live(subjects.ROLE_ENCODE))
+
+    def serving(self) -> bool:
+        """This model has live prefill and decode instances (text requests can run)."""
+        if self.bus is None or not self.bus.is_connected or self.router is None:
+            return False
+        return all(self.router.live(role) for role in (subjects.ROLE_PREFILL, subjects.ROLE_DECODE))
 
     def alive(self, role: str, instance_id: str) -> bool:
         """Heard from within the expiry (a draining instance still finishes its work)."""
@@ -99,17 +102,6 @@ class DisaggregatedBackend:
         except BusError:
             pass
         return True
-
-    async def _on_tokens(self, msg: Incoming) -> None:
-        batch = msg.decode(bus_pb2.TokenBatch)
-        for upd in batch.updates:
-            route = self.routes.get(upd.request_id)
-            if route is not None and route.accepts(batch.instance_id, upd):
-                route.queue.put_nowait((batch.instance_id, upd))
-            elif route is not None:
-                DROPPED_UPDATES.inc()
-                log.warning("dropped an update for %s from %s, which does not hold it",
-                            upd.request_id, batch.instance_id)  # fmt: skip
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         images = Encodings(self.encoder, prep)

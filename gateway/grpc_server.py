@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.core import GatewayCore
 from gateway.errors import classify
+from gateway.models import ModelSet
 from gateway.prepare import PreparedRequest
 from gateway.stream import Delta, OutputStream
 from protos.epd_pb import inference_pb2 as pb
@@ -75,16 +76,19 @@ def usage(prep: PreparedRequest, streams: list[OutputStream]) -> pb.Usage:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, core: GatewayCore):
-        self.core = core
+    """Each call runs on the core its ``model`` resolves to (gateway/models.py)."""
 
-    async def _prepare(self, request: pb.GenerateRequest, context) -> PreparedRequest:
+    def __init__(self, served: GatewayCore | ModelSet):
+        self.models = ModelSet.of(served)
+
+    async def _prepare(
+        self, request: pb.GenerateRequest, context
+    ) -> tuple[GatewayCore, PreparedRequest]:
         which = request.WhichOneof("input")
         meta = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         mode = "bypass" if request.cache_opt_out else meta.get("x-epd-cache", "default").lower()
         try:
-            self.core.check_capacity()
-            prep = await self.core.prepare(
+            core, prep = await self.models.prepare(
                 model=request.model, params=params_kwargs(request.sampling),
                 messages=_messages(request.chat) if which == "chat" else None,
                 prompt=request.prompt if which == "prompt" else None,
@@ -100,13 +104,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         left = context.time_remaining()
         if left is not None:  # the client's own deadline, when sooner, binds every hop
             prep.deadline = min(prep.deadline, time.time() + left)
-        return prep
+        return core, prep
 
-    def _response(self, prep, delta: Delta, streams) -> pb.GenerateResponse:
+    def _response(self, core, prep, delta: Delta, streams) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(
             request_id=_echo(prep), token_ids=delta.token_ids, text=delta.text,
-            logprobs=_logprobs(self.core.tokenizer, delta.logprobs),
-            finish_reason=FINISH_TO_PROTO[delta.finish_reason], model=self.core.info.model_id,
+            logprobs=_logprobs(core.tokenizer, delta.logprobs),
+            finish_reason=FINISH_TO_PROTO[delta.finish_reason], model=core.info.model_id,
             index=delta.index,
         )  # fmt: skip
         if all(s.finished for s in streams):
@@ -114,27 +118,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return resp
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
-        prep = await self._prepare(request, context)
+        core, prep = await self._prepare(request, context)
         try:
             first = True
-            async for delta, streams in self.core.run(prep):
+            async for delta, streams in core.run(prep):
                 if first:  # the cache lookup is done by the first delta
                     await context.send_initial_metadata(_cache_metadata(prep))
                     first = False
-                yield self._response(prep, delta, streams)
+                yield self._response(core, prep, delta, streams)
         except Exception as e:  # errors are values at the edge: always a status
             await _abort_with_status(context, prep.request_id, e)
 
     async def GenerateOnce(self, request, context):  # noqa: N802
-        prep = await self._prepare(request, context)
+        core, prep = await self._prepare(request, context)
         streams = []
         try:
-            async for _, streams in self.core.run(prep):  # noqa: B007 - the last one counts
+            async for _, streams in core.run(prep):  # noqa: B007 - the last one counts
                 pass
         except Exception as e:
             await _abort_with_status(context, prep.request_id, e)
         await context.send_initial_metadata(_cache_metadata(prep))
-        tok = self.core.tokenizer
+        tok = core.tokenizer
         choices = [pb.Choice(index=s.index, token_ids=s.token_ids, text=s.text,
                              logprobs=_logprobs(tok, s.logprobs),
                              finish_reason=FINISH_TO_PROTO[s.state.finish_reason]) for s in streams]  # fmt: skip
@@ -142,14 +146,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.GenerateResult(
             request_id=_echo(prep), token_ids=first.token_ids, text=first.text,
             logprobs=first.logprobs, finish_reason=first.finish_reason,
-            usage=usage(prep, streams), model=self.core.info.model_id, choices=choices,
+            usage=usage(prep, streams), model=core.info.model_id, choices=choices,
         )  # fmt: skip
 
     async def ListModels(self, request, context):  # noqa: N802
-        info = self.core.info
-        model = pb.ModelInfo(id=info.model_id, owned_by="epd-serve", created=int(time.time()),
-                             max_model_len=info.max_model_len, vision=info.vision)  # fmt: skip
-        return pb.ListModelsResponse(models=[model])
+        """The models that have live instances now."""
+        now = int(time.time())
+        models = [pb.ModelInfo(id=c.info.model_id, owned_by="epd-serve", created=now,
+                               max_model_len=c.info.max_model_len, vision=c.info.vision)
+                  for c in self.models.live()]  # fmt: skip
+        return pb.ListModelsResponse(models=models)
 
 
 def _parsed(method, msg_type, streaming: bool):
@@ -189,24 +195,26 @@ def _inference_handlers(servicer: InferenceServicer):
     return grpc.method_handlers_generic_handler("epd.v1.Inference", handlers)
 
 
-async def track_health(health_servicer, core: GatewayCore, period_s: float) -> None:
-    """SERVING only while the backend can take requests (workers alive, engine running)."""
+async def track_health(health_servicer, served: GatewayCore | ModelSet, period_s: float) -> None:
+    """SERVING only while some model's backend can take requests (workers alive, engine
+    running)."""
+    models = ModelSet.of(served)
     name = pb.DESCRIPTOR.services_by_name["Inference"].full_name
     serving, not_serving = (
         health_pb2.HealthCheckResponse.SERVING,
         health_pb2.HealthCheckResponse.NOT_SERVING,
     )
     while True:
-        status = serving if core.backend.ready() else not_serving
+        status = serving if models.ready() else not_serving
         for service in ("", name):
             await health_servicer.set(service, status)
         await asyncio.sleep(period_s)
 
 
-async def start_grpc_server(core: GatewayCore, host: str, port: int):
+async def start_grpc_server(served: GatewayCore | ModelSet, host: str, port: int):
     """Serve Inference + grpc.health.v1 + reflection; returns (server, bound port, health)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    server.add_generic_rpc_handlers((_inference_handlers(InferenceServicer(core)),))
+    server.add_generic_rpc_handlers((_inference_handlers(InferenceServicer(served)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Inference"].full_name,

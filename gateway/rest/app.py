@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.core import GatewayCore
 from gateway.dashboard.routes import add_dashboard_routes
 from gateway.errors import RequestFailure, classify
+from gateway.models import ModelSet
 from gateway.prepare import InvalidRequest
 from gateway.rest.chat import chat_completion
 from gateway.rest.completions import completion
@@ -41,13 +42,17 @@ _BODIES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, Detokenize
 Handler = Callable[[BaseModel, Call], Awaitable[Response]]
 
 
-def build_app(core: GatewayCore) -> GatewayMiddleware:
+def build_app(served: GatewayCore | ModelSet) -> GatewayMiddleware:
     """The ASGI app: the FastAPI app behind GatewayMiddleware, which also sends the
     POST endpoints straight to their handlers (FastAPI's routing and middleware stack
-    cost ~0.3 ms a request; the routes stay in FastAPI for /openapi.json and /docs)."""
+    cost ~0.3 ms a request; the routes stay in FastAPI for /openapi.json and /docs).
+    ``served``: the models (a bare core: one model); the front-door settings (keys,
+    body limit) are the default model's, which every model of a gateway shares."""
+    models = ModelSet.of(served)
+    core = models.default
     app = FastAPI(title="epd-serve", version=VERSION, openapi_url="/openapi.json", docs_url="/docs")
-    direct = _post_routes(app, core)
-    _get_routes(app, core)
+    direct = _post_routes(app, models)
+    _get_routes(app, models)
     add_dashboard_routes(app, core)
     app.add_exception_handler(HTTPException, _http_error)
     app.openapi = lambda: _openapi(app)
@@ -56,16 +61,17 @@ def build_app(core: GatewayCore) -> GatewayMiddleware:
                              direct=direct)  # fmt: skip
 
 
-def _post_routes(app: FastAPI, core: GatewayCore) -> dict[str, Callable]:
-    media = MediaLoader(core.config)
+def _post_routes(app: FastAPI, models: ModelSet) -> dict[str, Callable]:
+    media = MediaLoader(models.default.config)
     routes: list[tuple[str, type[BaseModel], Handler, str]] = [
         ("/v1/chat/completions", ChatCompletionRequest,
-         lambda b, call: chat_completion(core, media, b, call), "Create a chat completion"),
-        ("/v1/completions", CompletionRequest, lambda b, call: completion(core, b, call),
+         lambda b, call: chat_completion(models, media, b, call), "Create a chat completion"),
+        ("/v1/completions", CompletionRequest, lambda b, call: completion(models, b, call),
          "Create a text completion"),
-        ("/tokenize", TokenizeRequest, lambda b, call: tokenize(core, b, call.headers), "Tokenize"),
-        ("/detokenize", DetokenizeRequest, lambda b, call: detokenize(core, b, call.headers),
-         "Detokenize"),
+        ("/tokenize", TokenizeRequest,
+         lambda b, call: tokenize(models.lookup(b.model or ""), b, call.headers), "Tokenize"),
+        ("/detokenize", DetokenizeRequest,
+         lambda b, call: detokenize(models.lookup(b.model or ""), b, call.headers), "Detokenize"),
     ]  # fmt: skip
     direct = {}
     for path, model, handler, summary in routes:
@@ -77,22 +83,22 @@ def _post_routes(app: FastAPI, core: GatewayCore) -> dict[str, Callable]:
     return direct
 
 
-def _get_routes(app: FastAPI, core: GatewayCore) -> None:
-    @app.get("/v1/models", summary="List models")
+def _get_routes(app: FastAPI, models: ModelSet) -> None:
+    @app.get("/v1/models", summary="List the models that have live instances")
     async def list_models(request: Request) -> Response:
-        body = {"object": "list", "data": [model_card(core)]}
+        body = {"object": "list", "data": [model_card(core) for core in models.live()]}
         return JSONResponse(body, headers=_headers(request))
 
     @app.get("/v1/models/{model_id:path}", summary="Retrieve a model")
     async def get_model(model_id: str, request: Request) -> Response:
-        if model_id != core.info.model_id:
+        if model_id not in models.names:
             failure = RequestFailure("NOT_FOUND", f"model {model_id!r} is not served here", "model")
             return error_response(failure, _headers(request))
-        return JSONResponse(model_card(core), headers=_headers(request))
+        return JSONResponse(model_card(models.lookup(model_id)), headers=_headers(request))
 
     @app.get("/health", summary="200 when the gateway can serve, else 503")
     async def health() -> Response:
-        if core.backend.ready():
+        if models.ready():
             return Response(status_code=200)
         return error_response(RequestFailure("UNAVAILABLE", "no worker is ready to serve"))
 
@@ -102,9 +108,10 @@ def _get_routes(app: FastAPI, core: GatewayCore) -> None:
 
     @app.get("/metrics", summary="Prometheus metrics (epd_*)", include_in_schema=False)
     async def metrics() -> Response:
-        refresh = getattr(core.backend, "refresh_metrics", None)
-        if refresh is not None:  # serve all: the engine's gauges, read now
-            refresh()
+        for core in models:
+            refresh = getattr(core.backend, "refresh_metrics", None)
+            if refresh is not None:  # serve all: the engine's gauges, read now
+                refresh()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 

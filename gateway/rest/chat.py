@@ -6,7 +6,7 @@ import asyncio
 
 from starlette.responses import Response
 
-from gateway.core import GatewayCore
+from gateway.models import ModelSet
 from gateway.rest.media import MediaLoader
 from gateway.rest.middleware import Call
 from gateway.rest.protocol import ChatCompletionRequest, ChatMessage, ImagePart
@@ -39,15 +39,16 @@ class ChatRenderer:
                 "finish_reason": finish_reason(stream) if delta.finish_reason else None}  # fmt: skip
 
 
-async def chat_completion(core: GatewayCore, media: MediaLoader, req: ChatCompletionRequest,
+async def chat_completion(models: ModelSet, media: MediaLoader, req: ChatCompletionRequest,
                           call: Call) -> Response:  # fmt: skip
-    """Raises InvalidRequest & co. before anything runs; failures after that are answered."""
+    """Raises InvalidRequest & co. before anything runs; failures after that are answered.
+    The model that answers is the one ``models.prepare`` resolves ``req.model`` to."""
     req.check_supported()
+    models.check_name(req.model or "")  # an unknown model: 404 before fetching images
     messages = await resolve_messages(media, req.messages)
     params = req.sampling_kwargs(req.max_new_tokens)
     params["logprobs"] = req.num_logprobs
-    core.check_capacity()
-    prep = await core.prepare(model=req.model or "", params=params, messages=messages,
+    core, prep = await models.prepare(model=req.model or "", params=params, messages=messages,
                               request_id=call.client_id, tenant=call.tenant(req.user),
                               cache_mode=call.cache_mode,
                               session_key=call.session or req.user or "")  # fmt: skip

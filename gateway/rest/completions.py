@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from gateway.core import GatewayCore
+from gateway.models import ModelSet
 from gateway.rest.middleware import Call
 from gateway.rest.protocol import CompletionRequest
 from gateway.rest.responses import completion_logprobs
@@ -47,20 +47,25 @@ class TextRenderer:
                 "finish_reason": finish_reason(stream) if delta.finish_reason else None}  # fmt: skip
 
 
-async def completion(core: GatewayCore, req: CompletionRequest, call: Call) -> Response:
+async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Response:
+    """Every prompt of the request runs on the model its first prompt resolves to."""
     req.check_supported()
     params = req.sampling_kwargs(req.max_tokens)
     params["logprobs"] = req.logprobs
-    preps = []
+    preps, core, model = [], None, req.model or ""
     for prompt in req.prompts():
-        core.check_capacity()
         text = prompt if isinstance(prompt, str) else None
         ids = None if isinstance(prompt, str) else list(prompt)
-        preps.append(await core.prepare(model=req.model or "", params=params, prompt=text,
-                                        prompt_token_ids=ids, request_id=call.client_id,
-                                        tenant=call.tenant(req.user),
-                                        cache_mode=call.cache_mode,
-                                        session_key=call.session or req.user or ""))  # fmt: skip
+        kwargs = dict(model=model, params=params, prompt=text, prompt_token_ids=ids,
+                      request_id=call.client_id, tenant=call.tenant(req.user),
+                      cache_mode=call.cache_mode, session_key=call.session or req.user or "")  # fmt: skip
+        if core is None:
+            core, prep = await models.prepare(**kwargs)
+            model = core.info.model_id
+        else:
+            core.check_capacity()
+            prep = await core.prepare(**{**kwargs, "model": model})
+        preps.append(prep)
     echo = None
     if req.echo:
         echo = [p.prompt_text if p.prompt_text is not None

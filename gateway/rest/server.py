@@ -10,6 +10,7 @@ import socket
 import uvicorn
 
 from gateway.core import GatewayCore
+from gateway.models import ModelSet
 from gateway.rest.app import build_app
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,8 @@ log = logging.getLogger(__name__)
 class RestServer:
     """``start`` binds (port 0: any free port, then ``port`` says which) and serves."""
 
-    def __init__(self, core: GatewayCore, host: str, port: int):
-        self.core, self.host, self.port = core, host, port
+    def __init__(self, served: GatewayCore | ModelSet, host: str, port: int):
+        self.served, self.host, self.port = served, host, port
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -35,7 +36,7 @@ class RestServer:
         self.port = sock.getsockname()[1]
         # httptools: the C parser (h11, uvicorn's pure-Python fallback, costs ~1 ms a
         # request here); no proxy-header rewriting: the gateway is the edge.
-        config = uvicorn.Config(build_app(self.core), http="httptools", log_level="warning",
+        config = uvicorn.Config(build_app(self.served), http="httptools", log_level="warning",
                                 lifespan="off", access_log=False, proxy_headers=False,
                                 server_header=False, timeout_graceful_shutdown=5)  # fmt: skip
         self._server = uvicorn.Server(config)
