@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from functools import cached_property
@@ -12,6 +11,7 @@ from services.config import EngineConfig
 from services.models.checkpoint import CheckpointError, read_json
 from services.models.config_json import ConfigFacts, read_facts
 from services.models.demo import ensure_demo_model
+from services.models.fingerprint import checkpoint_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +28,10 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 
 def fingerprint(model_dir: Path, config: EngineConfig) -> str:
-    """Same checkpoint and preprocessing -> same fingerprint on every host."""
-    h = hashlib.sha256()
-    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
-        if (model_dir / name).exists():
-            h.update((model_dir / name).read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    h.update(
-        f"{config.load_format}:{config.seed if config.load_format == 'dummy' else ''}".encode()
-    )
-    return h.hexdigest()[:16]
+    """Same checkpoint (content, not path) and preprocessing -> same fingerprint on every
+    host; other weights of the same shape -> another (services/models/fingerprint.py)."""
+    extra = f"{config.load_format}:{config.seed if config.load_format == 'dummy' else ''}"
+    return checkpoint_fingerprint(model_dir, extra)
 
 
 def max_model_len(facts: ConfigFacts, config: EngineConfig) -> int:
