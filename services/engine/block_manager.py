@@ -214,6 +214,29 @@ class BlockManager:
         request.block_ids.clear()
         self._num_hashed.pop(request.request_id, None)
 
+    def free_tail(self, request: Request, num_tokens: int) -> list[int]:
+        """Give back the request's blocks beyond the first ``num_tokens`` tokens: the
+        slots of rejected speculative drafts (the one exception to append-only tables).
+
+        Such blocks were taken fresh for the drafts and never hashed (only blocks full of
+        computed, accepted tokens are), so nothing in the prefix cache changes; they go
+        to the head of the free list, the first taken again. Returns their ids.
+        """
+        keep = _cdiv(num_tokens, self.block_size)
+        tail = request.block_ids[keep:]
+        del request.block_ids[keep:]
+        for block_id in reversed(tail):  # the first tail block ends up at the head
+            if self._hashes[block_id] is not None:
+                raise RuntimeError(f"block {block_id} of a rolled-back draft has a hash")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        hashed = self._num_hashed.get(request.request_id)
+        if hashed is not None:
+            self._num_hashed[request.request_id] = min(hashed, keep)
+        return tail
+
     def _claim(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
             del self._free[block_id]

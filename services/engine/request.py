@@ -59,6 +59,9 @@ class Request:
     # sha256 hex of each full block of all_token_ids, chained from the parent.
     block_hashes: list[str] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens proposed for the next step (set by the engine
+    # before scheduling, consumed by it); never part of all_token_ids or block hashes.
+    spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     # Metrics (step_metrics.py): when first scheduled; when its prompt started computing
     # here (None once the first token is out, or when the KV was imported).

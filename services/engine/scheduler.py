@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from services.engine.spec_rollback import settle_step
 from services.engine.stopping import stop_status
 
 
@@ -166,10 +167,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_tokens - request.num_computed_tokens
+            if pending != 1:  # drafts extend the last known token only
+                request.spec_token_ids = []
+            num_new = min(pending + len(request.spec_token_ids), budget)
             if num_new <= 0:  # no token sampled last step: nothing known to compute
                 index += 1
                 continue
+            if num_new > pending and not self.block_manager.allocate_slots(request, num_new):
+                num_new = pending  # drafts are not worth preempting anyone for
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -223,15 +229,21 @@ class Scheduler:
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        # Drafts ride along only with the request's last known token (engine's rule);
+        # a step budget too small for all of them keeps the first ones.
+        drafts = request.spec_token_ids[: max(0, start + num_new - request.num_tokens)]
+        request.spec_token_ids = []
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new,
             start=start,
             sample=start + num_new >= request.num_tokens,
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -248,21 +260,30 @@ class Scheduler:
         the tokens up to its stop and drops the rest (their K/V is never read). Returns
         the requests that finished and the tokens each request kept.
         """
+        return self.update_from_verify(output, sampled)
+
+    def update_from_verify(
+        self, output: SchedulerOutput, sampled: Mapping[str, list[int]]
+    ) -> tuple[list[Request], dict[str, list[int]]]:
+        """Apply a step in which requests may have verified drafts (spec_rollback.py).
+
+        ``sampled`` maps each sampling request to the tokens it emits: its accepted
+        drafts, then the target's own token. Tokens count one by one (a stop or the
+        length limit inside them truncates there); rejected drafts' slots are rolled
+        back. Returns the finished requests and the tokens each request kept.
+        """
         finished: list[Request] = []
         kept: dict[str, list[int]] = {}
         for item in output.scheduled:
             request = item.request
-            tokens = sampled.get(request.request_id, [])
-            if request.status is not RequestStatus.RUNNING or not tokens:
+            if request.status is not RequestStatus.RUNNING:
                 continue
-            stop, n = None, 0
-            while stop is None and n < len(tokens):
-                request.num_computed_tokens += 1
-                request.append_output_token(tokens[n])
-                n += 1
-                stop = stop_status(request)
-            kept[request.request_id] = tokens[:n]
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            tokens = sampled.get(request.request_id)
+            if tokens and len(tokens) > len(item.draft_token_ids) + output.num_steps:
+                raise ValueError(f"{len(tokens)} tokens for {request.request_id!r}: too many")
+            tokens, stop = settle_step(self.block_manager, item, tokens)
+            if tokens:
+                kept[request.request_id] = tokens
             if stop is not None:
                 request.stop_reason = stop[1]
                 self._finish(request, stop[0])

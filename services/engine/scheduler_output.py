@@ -21,6 +21,10 @@ class ScheduledRequest:
     # True when this step reaches the last known token, so the runner samples the next
     # one; a non-final chunk of a prefill produces no token.
     sample: bool
+    # Speculative decoding: the draft tokens verified this step; they are the last
+    # ``len(draft_token_ids)`` of the ``num_new_tokens`` (the first is the request's last
+    # known token), and the runner samples at every one of those 1 + k positions.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
