@@ -12,7 +12,9 @@ ROLES = ("encoder", "prefill", "decode", "cache", "gateway", "all")
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (encoder, prefill, decode, all; the gateway reads the "
                              "model's tokenizer)")  # fmt: skip
-    g.add_argument("--model", default=None, help="checkpoint directory or 'demo' (default)")
+    g.add_argument("--model", action="append", default=None,
+                   help="checkpoint directory or 'demo' (default); gateway and up: repeat it "
+                        "to serve several models on one fleet (the first is the default)")  # fmt: skip
     g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default=None, help="auto (CUDA when present) | cpu | cuda[:N]")
     g.add_argument("--load-format", default=None,
@@ -120,10 +122,16 @@ def observability_config(args):
 def engine_config(args):
     from services.config import EngineConfig
 
-    keys = ("model", "dtype", "device", "load_format", "max_model_len", "block_size",
+    keys = ("dtype", "device", "load_format", "max_model_len", "block_size",
             "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend",
             "num_scheduler_steps")  # fmt: skip
-    return EngineConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+    models = getattr(args, "model", None) or []
+    several = getattr(args, "command", None) == "up" or getattr(args, "role", None) == "gateway"
+    if len(models) > 1 and not several:
+        raise ValueError("one process runs one model: repeat --model only for 'serve gateway' "
+                         "and 'up'")  # fmt: skip
+    model = models[0] if models else None  # the gateway's default model
+    return EngineConfig.from_env(model=model, **{k: getattr(args, k, None) for k in keys})
 
 
 def service_config(args):
@@ -141,7 +149,9 @@ def gateway_config(args):
     keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path",
             "router_policy", "migration_limit", "max_inflight_per_instance",
             "max_local_prefill_tokens")  # fmt: skip
-    return GatewayConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+    models = getattr(args, "model", None)
+    return GatewayConfig.from_env(models=tuple(models) if models else None,
+                                  **{k: getattr(args, k, None) for k in keys})  # fmt: skip
 
 
 def cache_config(args):
