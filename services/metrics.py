@@ -60,6 +60,19 @@ ENGINE_CACHED_TOKENS = Counter("epd_engine_prefix_cache_hit_tokens_total",
                                "(hit rate = this / epd_engine_prompt_tokens_total)")  # fmt: skip
 ENGINE_GENERATED_TOKENS = Counter("epd_engine_generated_tokens_total", "Tokens sampled")
 PREEMPTIONS = Counter("epd_engine_preemptions_total", "Requests preempted (recomputed later)")
+# Speculative decoding (services/engine/spec_metrics.py). Mean acceptance length =
+# (accepted + verifications) / verifications; acceptance at draft position i =
+# accepted_by_position{i} / drafts_by_position{i}.
+SPEC_VERIFICATIONS = Counter("epd_spec_verifications_total",
+                             "Request-steps that verified one or more draft tokens")  # fmt: skip
+SPEC_DRAFT_TOKENS = Counter("epd_spec_draft_tokens_total", "Draft tokens verified")
+SPEC_ACCEPTED_TOKENS = Counter("epd_spec_accepted_tokens_total", "Draft tokens accepted")
+SPEC_DRAFTS_BY_POSITION = Counter("epd_spec_drafts_by_position_total",
+                                  "Draft tokens verified, by position in the draft (0: first)",
+                                  ["position"])  # fmt: skip
+SPEC_ACCEPTED_BY_POSITION = Counter("epd_spec_accepted_by_position_total",
+                                    "Draft tokens accepted, by position in the draft (0: first)",
+                                    ["position"])  # fmt: skip
 # Updated with every heartbeat from the instance's load (one instance per process, bar tests).
 RUNNING = Gauge("epd_instance_running", "Requests running", ["role", "instance"])
 WAITING = Gauge("epd_instance_waiting", "Requests waiting", ["role", "instance"])
