@@ -1,14 +1,11 @@
-"""``epd bench serve``: flags and the run (httpx is imported only when a run starts)."""
+"""``epd bench serve``: flags and the entry point (httpx is imported only when a run starts)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import time
 from typing import Any
-
-_NOT_YET = "random-mm, paraphrase: not yet"
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -25,8 +22,10 @@ def add_bench_parser(sub: Any) -> None:
                    help="chat (/chat/completions, the default) | completions (/completions, "
                         "the default with --random-token-ids)")  # fmt: skip
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--dataset", choices=("random", "chat"), default="random",
-                   help=f"random (default) | chat (synthetic multi-turn); {_NOT_YET}")  # fmt: skip
+    p.add_argument("--dataset", choices=("random", "chat", "random-mm", "paraphrase"),
+                   default="random",
+                   help="random (default) | chat (synthetic multi-turn) | random-mm (images) | "
+                        "paraphrase (semantic-cache seeds, repeats, paraphrases, negatives)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=200, help="requests measured (200)")
     p.add_argument("--random-input-len", type=int, default=256, help="prompt words (256)")
     p.add_argument("--random-output-len", type=int, default=128, help="max_tokens (128)")
@@ -50,62 +49,82 @@ def add_bench_parser(sub: Any) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft tpot e2el)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
     p.add_argument("--result-json", default=None, help="write the JSON result here")
+    _add_dataset_flags(p)
+    _add_load_flags(p)
     p.set_defaults(func=run_bench_serve)
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    skip = {"func", "api_key", "command", "bench_command", "log_level", "log_format"}
-    return {k: v for k, v in vars(args).items() if k not in skip}
+def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
+    """The random-mm and paraphrase datasets' own flags."""
+    p.add_argument("--mm-images-per-request", default="1", metavar="N|MIN..MAX",
+                   help="random-mm: images per request, uniform in MIN..MAX (1)")  # fmt: skip
+    p.add_argument("--image-repeat-ratio", type=float, default=0.0,
+                   help="random-mm: probability an image slot reuses an image already sent (0)")  # fmt: skip
+    p.add_argument("--mm-image-size", nargs="+", default=["224x224"], metavar="WxH",
+                   help="random-mm: sizes a fresh image is drawn from (224x224)")  # fmt: skip
+    p.add_argument("--mm-image-format", choices=("png", "jpeg"), default="png",
+                   help="random-mm: data URL image format (png)")  # fmt: skip
+    p.add_argument("--paraphrase-mix", default="repeat:0.3,paraphrase:0.5,negative:0.2",
+                   help="paraphrase: follow-up kinds and weights (repeat:0.3,paraphrase:0.5,"
+                        "negative:0.2)")  # fmt: skip
+
+
+def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    """Sweeps, duration, progress, extra request fields, plots."""
+    p.add_argument("--sweep", type=_rates, default=[], metavar="R1,R2,...",
+                   help="one run per request rate, e.g. 1,2,4,inf (one JSON, a list of runs)")  # fmt: skip
+    p.add_argument("--sweep-concurrency", type=_caps, default=[], metavar="C1,C2,...",
+                   help="one run per --max-concurrency (crossed with --sweep)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="send until S seconds have passed (cycling the dataset), not --num-prompts")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--header", action="append", default=[], metavar="KEY:VALUE",
+                   help="extra request header, e.g. x-epd-cache:bypass (repeatable)")  # fmt: skip
+    p.add_argument("--user", default=None,
+                   help="OpenAI 'user' field (epd-serve's cache tenant; a sweep adds -<run>)")  # fmt: skip
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNG charts of the run(s) into DIR (needs matplotlib)")  # fmt: skip
+
+
+def _rates(spec: str) -> list[float]:
+    rates = [float(x) for x in spec.split(",")]
+    if any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 (or inf), got {spec!r}")
+    return rates
+
+
+def _caps(spec: str) -> list[int]:
+    caps = [int(x) for x in spec.split(",")]
+    if any(c < 1 for c in caps):
+        raise argparse.ArgumentTypeError(f"concurrency caps must be >= 1, got {spec!r}")
+    return caps
 
 
 async def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark the flags describe; returns the result document."""
-    import httpx
+    """One run of the flags; its result document (see ``services.bench.run``)."""
+    from services.bench.run import bench_serve as run
 
-    from services.bench.client import build_payload, send_request
-    from services.bench.datasets import make_requests
-    from services.bench.load import arrival_gaps, run_load
-    from services.bench.metrics import parse_goodput, summarize
-    from services.bench.report import result_document
-
-    slo = parse_goodput(args.goodput)
-    token_ids = None
-    if args.random_token_ids:
-        if args.endpoint == "chat":
-            raise SystemExit("--random-token-ids sends completions prompts: drop --endpoint chat")
-        args.endpoint = "completions"
-        token_ids = (args.random_token_id_min, args.random_token_id_max)
-    args.endpoint = args.endpoint or "chat"
-    reqs = make_requests(args.dataset, args.warmup + args.num_prompts, args.random_input_len,
-                         args.random_output_len, args.random_range_ratio, args.seed,
-                         token_ids=token_ids)  # fmt: skip
-    warm, measured = reqs[: args.warmup], reqs[args.warmup :]
-    path = "/chat/completions" if args.endpoint == "chat" else "/completions"
-    url = args.base_url.rstrip("/") + path
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-
-        async def send(req: Any) -> Any:
-            return await send_request(client, url, build_payload(req, args.model, args.endpoint),
-                                      headers)  # fmt: skip
-
-        await run_load(warm, send, [0.0] * len(warm), args.max_concurrency)
-        gaps = arrival_gaps(len(measured), args.request_rate, args.burstiness, args.seed)
-        start = time.perf_counter()
-        records = await run_load(measured, send, gaps, args.max_concurrency)
-        duration = time.perf_counter() - start
-    return result_document(_config(args), summarize(records, duration, slo), records)
+    return await run(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    """``epd bench serve``: print the table, write the JSON; 1 when every request failed."""
+    """``epd bench serve``: print the table(s), write the JSON and plots; 1 if all failed."""
     from services.bench.report import format_table, write_json
+    from services.bench.run import bench_sweep
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
-    doc = asyncio.run(bench_serve(args))
-    print(format_table(doc["summary"]))
+    sweeping = bool(args.sweep or args.sweep_concurrency)
+    doc = asyncio.run(bench_sweep(args) if sweeping else bench_serve(args))
+    runs = doc["runs"] if sweeping else [doc]
+    for run in runs:
+        title = f"rate {run['request_rate']}, cap {run['max_concurrency']}" if sweeping else ""
+        print(format_table(run["summary"], title))
     if args.result_json:
         write_json(args.result_json, doc)
         print(f"result: {args.result_json}")
-    return 0 if doc["summary"]["completed"] else 1
+    if args.plot:
+        from services.bench.plot import plot_runs
+
+        for path in plot_runs(doc, args.plot):
+            print(f"plot: {path}")
+    return 0 if any(run["summary"]["completed"] for run in runs) else 1

@@ -29,6 +29,10 @@ class RequestRecord:
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens where sent
     error: str | None = None  # "http_429", an exception class name, or "no_tokens"
     cache: str | None = None  # the x-epd-cache header: hit-exact | hit-semantic | miss
+    kind: str | None = None  # the request's dataset kind (paraphrase), copied by ``tag``
+    expect: str | None = None  # the cache outcome a right cache gives: "hit" | "miss"
+    images: int = 0  # image slots sent
+    image_repeats: int = 0  # of which already sent before
 
     @property
     def ok(self) -> bool:
@@ -39,6 +43,13 @@ class RequestRecord:
     def first_token_s(self) -> float | None:
         """When the first token arrived, or None."""
         return self.chunk_s[0] if self.chunk_s else None
+
+
+def tag(rec: RequestRecord, req: BenchRequest) -> RequestRecord:
+    """Copy what the dataset knows of a request (kind, expected cache outcome, images)."""
+    rec.kind, rec.expect = req.kind, req.expect
+    rec.images, rec.image_repeats = req.images, req.image_repeats
+    return rec
 
 
 def parse_sse_line(line: str) -> dict[str, Any] | str | None:

@@ -20,7 +20,7 @@ _WORD_TEXT = (
     "life being under never day same another know while last might us great old year off "
     "come since against go came right used take three"
 )
-_WORDS = tuple(_WORD_TEXT.split())
+WORDS = tuple(_WORD_TEXT.split())
 
 _TOPICS = ("gardening", "sailing", "bread baking", "chess openings", "bird watching",
            "bicycle repair", "star gazing", "coffee brewing", "rock climbing", "pottery")  # fmt: skip
@@ -50,14 +50,24 @@ class BenchRequest:
     max_tokens: int
     prompt_words: int  # words (or token ids) in the prompt: the input length without a tokenizer
     prompt_ids: tuple[int, ...] | None = None  # sent as ``prompt: [ids]`` to /completions
+    kind: str | None = None  # paraphrase: seed | repeat | paraphrase | negative/<why>
+    expect: str | None = None  # paraphrase: "hit" or "miss", what a right cache answers
+    images: int = 0  # random-mm: image slots in the request
+    image_repeats: int = 0  # random-mm: slots holding an image already sent
 
     @property
     def prompt(self) -> str:
-        """The messages as one completion prompt."""
-        return "\n".join(m["content"] for m in self.messages)
+        """The messages' text as one completion prompt (image parts are left out)."""
+        texts = []
+        for m in self.messages:
+            content = m["content"]
+            if isinstance(content, list):
+                content = " ".join(p["text"] for p in content if p.get("type") == "text")
+            texts.append(content)
+        return "\n".join(texts)
 
 
-def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+def draw_length(rng: random.Random, mean: int, range_ratio: float) -> int:
     """A length uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
     lo, hi = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
     return max(1, rng.randint(lo, max(lo, hi)))
@@ -77,14 +87,14 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        length = _length(rng, input_len, range_ratio)
-        max_tokens = _length(rng, output_len, range_ratio)
+        length = draw_length(rng, input_len, range_ratio)
+        max_tokens = draw_length(rng, output_len, range_ratio)
         if token_ids is not None:
             ids = tuple(rng.randrange(*token_ids) for _ in range(length))
             out.append(BenchRequest(messages=[], max_tokens=max_tokens, prompt_words=length,
                                     prompt_ids=ids))  # fmt: skip
             continue
-        words = [rng.choice(_WORDS) for _ in range(length)]
+        words = [rng.choice(WORDS) for _ in range(length)]
         out.append(BenchRequest(messages=[{"role": "user", "content": " ".join(words)}],
                                 max_tokens=max_tokens, prompt_words=len(words)))  # fmt: skip
     return out

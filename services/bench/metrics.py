@@ -96,4 +96,36 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     if slo:
         good = sum(1 for r in ok if meets_slo(r, slo))
         summary["goodput"] = good / duration_s if duration_s > 0 else math.nan
+    if any(r.images for r in records):
+        summary["images"] = {"slots": sum(r.images for r in records),
+                             "repeats": sum(r.image_repeats for r in records)}  # fmt: skip
+    if any(r.expect for r in records):
+        summary["expected_cache"] = expected_cache(records)
     return summary
+
+
+def _hit(rec: RequestRecord) -> bool:
+    return (rec.cache or "").startswith("hit")
+
+
+def expected_cache(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Cache answers against what a right cache gives (completed requests with an ``expect``).
+
+    Per kind (``negative/<why>`` grouped as ``negative``): requests, hits, expected hits and
+    the TTFT / E2E p50. ``false_hits``: hits where a miss was right (a hard negative answered
+    from the cache); ``missed_hits``: misses where a hit was right.
+    """
+    done = [r for r in records if r.ok and r.expect is not None]
+    by_kind: dict[str, list[RequestRecord]] = {}
+    for r in done:
+        by_kind.setdefault((r.kind or "?").split("/")[0], []).append(r)
+    kinds = {}
+    for kind, group in sorted(by_kind.items()):
+        kinds[kind] = {"requests": len(group), "hits": sum(map(_hit, group)),
+                       "expected_hits": sum(r.expect == "hit" for r in group),
+                       "ttft_p50_ms": percentile([ttft_s(r) * 1000 for r in group], 50),
+                       "e2el_p50_ms": percentile([(r.end_s - r.send_s) * 1000 for r in group], 50)}  # fmt: skip
+    false_hits = [r for r in done if _hit(r) and r.expect == "miss"]
+    return {"kinds": kinds, "false_hits": len(false_hits),
+            "false_hits_by_kind": dict(Counter(r.kind for r in false_hits)),
+            "missed_hits": sum(1 for r in done if not _hit(r) and r.expect == "hit")}  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.bench.client import RequestRecord
 
-SCHEMA = "epd-bench-serve/1"
+SCHEMA = "epd-bench-serve/2"
 _LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E"))
 
 
@@ -18,7 +18,23 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def format_table(summary: dict[str, Any]) -> str:
+def _cache_lines(summary: dict[str, Any]) -> list[str]:
+    """Image repeats and the cache's answers against the expected ones, where measured."""
+    lines = []
+    if "images" in summary:
+        img = summary["images"]
+        lines.append(f"image slots: {img['slots']}, repeats {img['repeats']}")
+    if "expected_cache" in summary:
+        exp = summary["expected_cache"]
+        for kind, k in exp["kinds"].items():
+            lines.append(f"  {kind:<11} {k['requests']:>4} req, hits {k['hits']:>4} "
+                         f"(right: {k['expected_hits']:>4}), TTFT p50 {_num(k['ttft_p50_ms'])} ms, "
+                         f"E2E p50 {_num(k['e2el_p50_ms'])} ms")  # fmt: skip
+        lines.append(f"false hits {exp['false_hits']}, missed hits {exp['missed_hits']}")
+    return lines
+
+
+def format_table(summary: dict[str, Any], title: str = "") -> str:
     """A plain-text table of the summary's figures."""
     rows = [
         ("requests completed / failed", f"{summary['completed']} / {summary['failed']}"),
@@ -35,29 +51,33 @@ def format_table(summary: dict[str, Any]) -> str:
     lines.append(f"{'latency (ms)':<14}" + "".join(f"{c:>10}" for c in cols))
     for key, label in _LATENCIES:
         lines.append(f"{label:<14}" + "".join(f"{_num(summary[key][c]):>10}" for c in cols))
-    for title, counts in (("errors", summary["errors"]), ("cache", summary["cache"])):
+    for name, counts in (("errors", summary["errors"]), ("cache", summary["cache"])):
         if counts:
-            lines.append(f"{title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            lines.append(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    lines += _cache_lines(summary)
     width = max(len(line) for line in lines)
     bar = "=" * width
-    return "\n".join([bar, " epd bench serve ".center(width, "="), *lines, bar])
+    head = f" epd bench serve {title} " if title else " epd bench serve "
+    return "\n".join([bar, head.center(width, "="), *lines, bar])
 
 
-def _finite(obj: Any) -> Any:
-    """NaN (an empty statistic) as null: JSON has no NaN."""
+def json_safe(obj: Any) -> Any:
+    """NaN (an empty statistic) as null and an infinite rate as "inf": JSON has neither."""
     if isinstance(obj, float) and math.isnan(obj):
         return None
+    if isinstance(obj, float) and math.isinf(obj):
+        return "inf" if obj > 0 else "-inf"
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
 def result_document(config: dict[str, Any], summary: dict[str, Any],
                     records: list[RequestRecord]) -> dict[str, Any]:  # fmt: skip
     """The JSON result: schema tag, the run's settings, the summary, every request's record."""
-    return _finite({"schema": SCHEMA, "config": config, "summary": summary,
+    return json_safe({"schema": SCHEMA, "config": config, "summary": summary,
                     "requests": [asdict(r) for r in records]})  # fmt: skip
 
 

@@ -105,7 +105,7 @@ def test_bench_serve_measures_the_fake_servers_timings(fake_server, tmp_path, ca
     assert args.func(args) == 0
     doc = json.loads(out.read_text())
     s = doc["summary"]
-    assert doc["schema"] == "epd-bench-serve/1"
+    assert doc["schema"] == "epd-bench-serve/2"
     assert len(doc["requests"]) == 12  # the 4 warm-up requests are not measured
     assert s["errors"] == {"http_429": 3} and s["completed"] == 9
     assert s["cache"] == {"miss": 6, "hit-exact": 3}  # a 429 carries no cache header

@@ -230,6 +230,8 @@ def test_cli_registers_bench_serve_and_the_report_has_no_nan() -> None:
 def test_bench_imports_no_torch() -> None:
     """The benchmark runs beside the torch-free gateway: importing it must not pull torch."""
     code = ("import sys, services.cli, services.bench.cli, services.bench.client, "
-            "services.bench.load, services.bench.metrics, services.bench.report; "
+            "services.bench.load, services.bench.metrics, services.bench.report, "
+            "services.bench.run, services.bench.images, services.bench.paraphrase, "
+            "services.bench.plot; "
             "services.cli.build_parser(); sys.exit('torch' in sys.modules)")  # fmt: skip
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
