@@ -28,6 +28,8 @@ from services.observability import ObservabilityConfig
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = (EngineConfig, ServiceConfig, GatewayConfig, SemanticCacheConfig, ObservabilityConfig)
 EPD = ("gateway", "encoder", "prefill", "decode", "cache")
+# A second model's workers, in profiles (docs/fleet.md: several models on one fleet).
+SECOND = {"prefill-2": "prefill", "decode-2": "decode", "encoder-2": "encoder"}
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
 
 
@@ -66,7 +68,7 @@ def environment(svc: dict) -> dict[str, str]:
 
 
 def test_every_service_and_one_build(services):
-    assert set(services) == {"nats", "redis", *EPD}
+    assert set(services) == {"nats", "redis", *EPD, *SECOND}
     built = [name for name, s in services.items() if "build" in s]
     assert built == ["gateway"], "exactly one service builds the image (built once)"
     image = services["gateway"]["image"]
@@ -140,6 +142,26 @@ def test_credentials_match_on_both_ends(env):
         url = urlsplit(e["EPD_NATS_URL"])
         assert (url.username, url.password, url.hostname) == (user, password, "nats"), name
         assert e["EPD_REDIS_URL"] == f"redis://:{redis_password}@redis:6379/0", name
+
+
+def test_second_model_profile():
+    """Off by default; with SECOND_MODEL its workers serve it and the gateway serves both."""
+    services = load("docker-compose.yml", {"SECOND_MODEL": "/models/b"})["services"]
+    parser = build_parser()
+    for name, role in SECOND.items():
+        svc = services[name]
+        assert svc["profiles"] and svc["image"] == services["gateway"]["image"], name
+        assert parser.parse_args(svc["command"]).role == role, name
+        assert environment(svc)["EPD_MODEL"] == "/models/b", name
+        assert environment(svc)["EPD_NATS_URL"] == environment(services[role])["EPD_NATS_URL"]
+    assert not any(services[n].get("profiles") for n in EPD)
+
+    def models(env: dict) -> tuple:
+        gateway = environment(load("docker-compose.yml", env)["services"]["gateway"])
+        return GatewayConfig(**env_overrides(GatewayConfig, environ=gateway)).models
+
+    assert models({"SECOND_MODEL": "/models/b"}) == ("demo", "/models/b")
+    assert models({}) == ("demo",)
 
 
 def test_gpu_overlay():
