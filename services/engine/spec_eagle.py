@@ -94,6 +94,11 @@ class Eagle3Proposer:
         head.cfg.check_target(target_config)
         return cls(head.to(device=device, dtype=dtype), parallel)
 
+    @property
+    def requests(self) -> tuple[str, ...]:
+        """The requests whose draft K/V is held."""
+        return tuple(self._state)
+
     def free(self, request_id: str) -> None:
         """Forget the request's draft K/V."""
         self._state.pop(request_id, None)
@@ -176,10 +181,7 @@ class Eagle3Proposer:
         drafts = [tok]
         keys_k = torch.cat([b.past_k, new_k], dim=2)
         keys_v = torch.cat([b.past_v, new_v], dim=2)
-        ok = b.key_ok.clone()
-        ok[:, b.past_k.shape[2] :] &= (
-            torch.arange(t, device=self.device)[None, :] <= b.last[:, None]
-        )
+        ok = b.key_ok  # the padding after each request's last row stays masked
         pos = b.positions[ar, b.last]
         for _ in range(k - 1):
             pos = pos + 1
