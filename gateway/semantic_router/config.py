@@ -198,6 +198,18 @@ def load_config(path: str | Path) -> RouterConfig:
     return parse_config(text, str(path))
 
 
+def check_models(config: RouterConfig, served: list[str]) -> None:
+    """RouterConfigError when a route names a model this gateway does not serve, or a
+    virtual name hides a served one."""
+    for i, r in enumerate(config.routes):
+        if r.model not in served:
+            raise RouterConfigError(f"routes[{i}].model: {r.model!r} is not served by this "
+                                    f"gateway (serving: {', '.join(served)})")  # fmt: skip
+    for name in config.virtual_models:
+        if name in served:
+            raise RouterConfigError(f"virtual_models: {name!r} is a served model's name")
+
+
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")

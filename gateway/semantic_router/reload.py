@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from gateway.semantic_router.config import RouterConfigError, load_config
+from gateway.semantic_router.config import RouterConfigError, check_models, load_config
 from gateway.semantic_router.embedding import Embedder
 from gateway.semantic_router.router import SemanticRouter
 from gateway.semantic_router.state import add_vectors, compile_state
@@ -32,9 +32,13 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-async def open_router(path: str | Path, embedder: Embedder | None) -> SemanticRouter:
-    """The router of a config file; RouterConfigError when it is unreadable or invalid."""
+async def open_router(path: str | Path, embedder: Embedder | None,
+                      served: list[str] | None = None) -> SemanticRouter:  # fmt: skip
+    """The router of a config file; RouterConfigError when it is unreadable or invalid
+    (or, given ``served``, routes to a model this gateway does not serve)."""
     config = load_config(path)
+    if served is not None:
+        check_models(config, served)
     router = SemanticRouter(await compile_state(config, embedder), embedder)
     log.info("router config %s: %d routes, virtual models %s", path, len(config.routes),
              ", ".join(config.virtual_models))  # fmt: skip
@@ -44,8 +48,9 @@ async def open_router(path: str | Path, embedder: Embedder | None) -> SemanticRo
 class RouterReloader:
     """Polls one config file and swaps a valid new version into ``router``."""
 
-    def __init__(self, router: SemanticRouter, path: str | Path, poll_s: float = 2.0):
-        self.router, self.path, self.poll_s = router, Path(path), poll_s
+    def __init__(self, router: SemanticRouter, path: str | Path, poll_s: float = 2.0,
+                 served: list[str] | None = None):  # fmt: skip
+        self.router, self.path, self.poll_s, self.served = router, Path(path), poll_s, served
         self._stamp = _stamp(self.path)
         self._task: asyncio.Task | None = None
         # Set after every check; tests wait on it instead of sleeping.
@@ -84,6 +89,8 @@ class RouterReloader:
     async def _reload(self) -> bool:
         try:
             config = load_config(self.path)
+            if self.served is not None:
+                check_models(config, self.served)
             state = await compile_state(config, self.router.embedder)
         except RouterConfigError as e:
             self.last_error = str(e)
