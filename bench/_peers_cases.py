@@ -1,0 +1,70 @@
+"""The workloads of ``serving_peers.py``: ``epd bench serve`` flags per case, per group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUPS = ("random", "tools", "paraphrase", "mm")
+# The system every other one is compared with in a group's table.
+REFERENCE = {"random": "epd-agg", "paraphrase": "epd-cache-on", "mm": "epd-disagg"}
+TEXT_SYSTEMS = ("epd-agg", "epd-disagg", "vllm", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload setting: a label and the ``epd bench serve`` flags that make it."""
+
+    label: str
+    flags: tuple[str, ...]
+    systems: tuple[str, ...]  # which systems run it (names of ``_peers_servers.System``)
+
+
+def random_case(concurrency: int, prompts: int) -> Case:
+    """128 prompt token ids -> 64 tokens (ignore_eos) at a concurrency cap."""
+    flags = ("--dataset", "random", "--random-token-ids", "--random-input-len", "128",
+             "--random-output-len", "64", "--num-prompts", str(prompts),
+             "--max-concurrency", str(concurrency), "--warmup", str(min(concurrency, 8)))  # fmt: skip
+    return Case(f"random c{concurrency}", flags, TEXT_SYSTEMS)
+
+
+def random_cases(quick: bool) -> list[Case]:
+    """Concurrency 1, 8 and 64 (requests: enough for a few batches at each)."""
+    scale = 4 if quick else 1
+    return [random_case(1, 12 // scale), random_case(8, 48 // scale), random_case(64, 192 // scale)]
+
+
+def paraphrase_cases(quick: bool) -> list[Case]:
+    """The shipped pair set (seeds first, then repeats / paraphrases / hard negatives),
+    cache on against off; a fresh ``user`` (the cache's tenant) each round and system, so
+    no round finds the previous one's answers."""
+    flags = ("--dataset", "paraphrase", "--num-prompts", "20" if quick else "80",
+             "--random-output-len", "32", "--max-concurrency", "4", "--user", "peers-{run}")  # fmt: skip
+    return [Case("paraphrase", flags, ("epd-cache-on", "epd-cache-off"))]
+
+
+def mm_cases(quick: bool) -> list[Case]:
+    """224 px PNGs (the tower's input size), 0 % and 80 % reuse, 1 and 4 per request;
+    goodput under TTFT 5 s and TPOT 200 ms (1-core figures: the SLO only ranks the two)."""
+    cases = []
+    for per_request, prompts in ((1, 24), (4, 8)):
+        for reuse in (0.0, 0.8):
+            flags = ("--dataset", "random-mm", "--mm-images-per-request", str(per_request),
+                     "--image-repeat-ratio", str(reuse), "--mm-image-size", "224x224",
+                     "--random-input-len", "32", "--random-output-len", "16",
+                     "--num-prompts", str(prompts // (4 if quick else 1) or 2),
+                     "--max-concurrency", "4", "--warmup", "1",
+                     "--goodput", "ttft:5000", "tpot:200")  # fmt: skip
+            label = f"mm {per_request} img, {reuse:.0%} reuse"
+            cases.append(Case(label, flags, ("epd-disagg", "epd-agg")))
+    return cases
+
+
+def cases_for(group: str, quick: bool) -> list[Case]:
+    """The cases of ``group`` (``tools`` has its own runner)."""
+    if group == "random":
+        return random_cases(quick)
+    if group == "paraphrase":
+        return paraphrase_cases(quick)
+    if group == "mm":
+        return mm_cases(quick)
+    return []
