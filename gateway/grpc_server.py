@@ -40,8 +40,9 @@ def _messages(chat: pb.Chat) -> list[dict]:
 
 
 def _cache_metadata(prep: PreparedRequest) -> tuple:
-    """x-epd-cache (hit-exact, hit-semantic, miss), as over REST."""
-    meta = (("x-epd-cache", prep.cache_status),)
+    """x-epd-cache (hit-exact, hit-semantic, miss) and the semantic router's x-epd-model,
+    x-epd-route and x-epd-guard, as over REST."""
+    meta = (("x-epd-cache", prep.cache_status), *prep.route_headers.items())
     if prep.cache_similarity is not None:
         meta += (("x-epd-cache-similarity", f"{prep.cache_similarity:.4f}"),)
     return meta

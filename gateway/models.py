@@ -64,6 +64,9 @@ class ModelSet:
         # The semantic router's hook (gateway/semantic_router/): consulted only for
         # names that are no concrete model.
         self.virtual: VirtualResolver | None = None
+        # The semantic router's request hook (gateway/semantic_router/hook.py RouterHook):
+        # guards every request and turns a virtual name into a concrete one, in prepare.
+        self.router = None
 
     @classmethod
     def of(cls, served: GatewayCore | ModelSet) -> ModelSet:
@@ -117,14 +120,20 @@ class ModelSet:
 
     async def prepare(self, **kwargs) -> tuple[GatewayCore, PreparedRequest]:
         """``resolve`` the request's ``model``, check that core's capacity and prepare
-        the request on it (GatewayCore.prepare's keywords)."""
+        the request on it (GatewayCore.prepare's keywords). The semantic router, when
+        hooked in, sees the request first (it may redact it, route it, or refuse it)."""
+        headers: dict[str, str] = {}
+        if self.router is not None:
+            kwargs, headers = await self.router.apply(kwargs)
         request = ModelRequest(kwargs.get("messages"), kwargs.get("prompt"),
                                kwargs.get("prompt_token_ids"), list(kwargs.get("images") or ()),
                                kwargs.get("tenant", ""), kwargs.get("session_key", ""))  # fmt: skip
         core = self.resolve(kwargs.get("model") or "", request)
         core.check_capacity()
         kwargs["model"] = core.info.model_id
-        return core, await core.prepare(**kwargs)
+        prep = await core.prepare(**kwargs)
+        prep.route_headers = {**headers, "x-epd-model": core.info.model_id}
+        return core, prep
 
     def live(self) -> list[GatewayCore]:
         """Models that have live instances now (what /v1/models and ListModels list)."""

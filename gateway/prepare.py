@@ -50,6 +50,9 @@ class PreparedRequest:
     cache_similarity: float | None = None
     # Routing affinity (consistent_hash policy): the x-session-id header, else `user`.
     session_key: str = ""
+    # What the semantic router did, as response headers (x-epd-model, x-epd-route,
+    # x-epd-guard; gateway/semantic_router/hook.py).
+    route_headers: dict[str, str] = field(default_factory=dict)
 
 
 # The x-epd-cache request header: default; no-cache (do not read the semantic cache, store

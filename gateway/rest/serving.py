@@ -75,7 +75,7 @@ class CompletionRun:
         except Exception as e:
             await items.aclose()
             return error_response(classify(e, self.preps[0].request_id), headers)
-        headers = {**headers, **cache_headers(self.preps)}
+        headers = {**headers, **cache_headers(self.preps), **self.preps[0].route_headers}
         if stream:
             events = self._events(first, items, include_usage)
             return SSEResponse(events, self.preps[0].request_id, headers)
