@@ -66,6 +66,10 @@ class GatewayConfig(FromEnv):
     # for breaker_cooloff_s.
     breaker_failures: int = 3
     breaker_cooloff_s: float = 10.0
+    # The semantic router's YAML file (EPD_ROUTER_CONFIG; docs/router.md): "auto" and the
+    # other virtual model names it declares are routed, every request guarded; the file
+    # is validated at start and reloaded when it changes. Empty: no router.
+    router_config: str = ""
 
     def __post_init__(self) -> None:
         self.api_key = tuple(self.api_key)

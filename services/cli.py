@@ -67,6 +67,9 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--router-policy", default=None,
                    help="least_loaded | power_of_two | round_robin | random | consistent_hash "
                         "| prefix_aware (default)")  # fmt: skip
+    a.add_argument("--router-config", default=None,
+                   help="semantic router YAML (model 'auto', PII and jailbreak guards; "
+                        "docs/router.md)")  # fmt: skip
     a.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move off a dead worker mid-stream (3)")  # fmt: skip
     a.add_argument("--max-local-prefill-tokens", type=int, default=None,
@@ -148,7 +151,7 @@ def gateway_config(args):
 
     keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path",
             "router_policy", "migration_limit", "max_inflight_per_instance",
-            "max_local_prefill_tokens")  # fmt: skip
+            "max_local_prefill_tokens", "router_config")  # fmt: skip
     models = getattr(args, "model", None)
     return GatewayConfig.from_env(models=tuple(models) if models else None,
                                   **{k: getattr(args, k, None) for k in keys})  # fmt: skip
