@@ -55,6 +55,7 @@ class Gateway(Service):
         self.models: ModelSet | None = None
         self.cache_config = cache or SemanticCacheConfig()
         self._local_cache = None  # serve all: the semantic cache in this process
+        self._router = None  # the semantic router's config watcher (--router-config)
         self.aggregated = aggregated
         self.core: GatewayCore | None = None
         self.backend = self.grpc_server = self.rest = self._health = None
@@ -85,6 +86,12 @@ class Gateway(Service):
                                      await self._cache(backend, info)))  # fmt: skip
         self.models = ModelSet(cores)
         self.core = self.models.default
+        if self.api.router_config:  # a bad file stops the start, naming the field
+            from gateway.semantic_router.hook import embedder_for, start_router
+
+            bus = self.link.bus if self.link is not None else None
+            self._router = await start_router(self.api.router_config, self.models,
+                                              embedder_for(bus, self._local_cache))  # fmt: skip
         self.grpc_server, self.grpc_port, self._health = await start_grpc_server(
             self.models, self.config.host, self.config.grpc_port
         )
@@ -148,6 +155,8 @@ class Gateway(Service):
     async def release(self) -> None:
         # Past the grace: the servers stop for good before the backend (and its bus) goes.
         await asyncio.gather(*self._intake_closing, return_exceptions=True)
+        if self._router is not None:
+            await self._router.stop()
         for backend in self.backends:
             await backend.stop()
         if self.link is not None:
