@@ -15,6 +15,7 @@ import torch
 
 from cache_svc.answers import AnswerStore
 from cache_svc.config import SemanticCacheConfig
+from cache_svc.embed_handler import EmbedHandler
 from cache_svc.embedder import SentenceBatcher, SentenceEmbedder
 from cache_svc.semantic import SemanticCache
 from protos.epd_pb import bus_pb2
@@ -58,10 +59,17 @@ class CacheService(Service):
                                  (subjects.CACHE_STORE, self._on_store)):  # fmt: skip
             await self.serve_work(subject, handler, queue=subjects.QUEUE_CACHE,
                                   max_concurrency=256)  # fmt: skip
+        # The semantic router's embeddings share the cache's batcher (one model pass).
+        self._embed = EmbedHandler(self.cache.embed)
+        await self.serve_work(subjects.cache("embed"), self._on_embed,
+                              queue=subjects.QUEUE_CACHE, max_concurrency=256)  # fmt: skip
         log.info("cache %s holds %d entries", self.instance_id, len(self.cache.index))
 
     async def _on_lookup(self, msg: Incoming) -> None:
         await msg.respond(await self.cache.lookup(msg.decode(bus_pb2.CacheQuery)))
+
+    async def _on_embed(self, msg: Incoming) -> None:
+        await msg.respond(await self._embed.embed(msg.decode(bus_pb2.EmbedRequest)))
 
     async def _on_store(self, msg: Incoming) -> None:
         await msg.respond(await self.cache.put(msg.decode(bus_pb2.CacheStoreRequest)))
