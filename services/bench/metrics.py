@@ -96,12 +96,24 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     if slo:
         good = sum(1 for r in ok if meets_slo(r, slo))
         summary["goodput"] = good / duration_s if duration_s > 0 else math.nan
+    if summary["cache"]:
+        summary["by_cache"] = by_cache(ok)
     if any(r.images for r in records):
         summary["images"] = {"slots": sum(r.images for r in records),
                              "repeats": sum(r.image_repeats for r in records)}  # fmt: skip
     if any(r.expect for r in records):
         summary["expected_cache"] = expected_cache(records)
     return summary
+
+
+def by_cache(done: Sequence[RequestRecord]) -> dict[str, Any]:
+    """TTFT and E2E of completed requests per ``x-epd-cache`` answer (what a hit costs)."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in done:
+        groups.setdefault(r.cache or "none", []).append(r)
+    return {k: {"requests": len(g), "ttft_ms": stats_ms([ttft_s(r) for r in g]),
+                "e2el_ms": stats_ms([r.end_s - r.send_s for r in g])}
+            for k, g in sorted(groups.items())}  # fmt: skip
 
 
 def _hit(rec: RequestRecord) -> bool:

@@ -5,8 +5,8 @@
 - ``throughput_vs_concurrency.png``: output and request throughput against the
   concurrency cap (runs without a cap are left out).
 
-A single run draws single points; a sweep draws lines (one per cap in the latency chart,
-one per rate in the throughput chart).
+A single run draws single points; a sweep draws lines (one colour per cap in the latency
+chart, solid p50, dashed p90, dotted p99; one line per rate in the throughput chart).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def latency_chart(runs: list[dict[str, Any]], path: Path) -> Path:
     caps = sorted({r["max_concurrency"] or 0 for r in runs})
     fig, axes = plt.subplots(1, len(_LATENCIES), figsize=(5 * len(_LATENCIES), 4))
     for ax, (key, name) in zip(axes, _LATENCIES, strict=True):
-        for cap in caps:
+        for color, cap in enumerate(caps):
             group = sorted((r for r in runs if (r["max_concurrency"] or 0) == cap),
                            key=lambda r: _rate(r["request_rate"]))  # fmt: skip
             xs = [pos[_rate(r["request_rate"])] for r in group]
@@ -61,7 +61,7 @@ def latency_chart(runs: list[dict[str, Any]], path: Path) -> Path:
                 ys = [(r["summary"][key] or {}).get(q) for r in group]
                 ys = [math.nan if y is None else y for y in ys]
                 cap_label = f", cap {cap}" if len(caps) > 1 else ""
-                ax.plot(xs, ys, style, marker="o", label=f"{q}{cap_label}")
+                ax.plot(xs, ys, style, color=f"C{color}", marker="o", label=f"{q}{cap_label}")
         ax.set_title(f"{name} (ms)")
         ax.set_xlabel("request rate (req/s)")
         ax.set_xticks(sorted(pos.values()), labels)
@@ -97,7 +97,10 @@ def throughput_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
     for ax, name in ((out_ax, "output throughput (tok/s)"), (req_ax, "request throughput (req/s)")):
         ax.set_title(name)
         ax.set_xlabel("max concurrency")
+        caps = sorted({r["max_concurrency"] for r in capped})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(caps, [str(c) for c in caps])
+        ax.minorticks_off()
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -21,6 +21,9 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
 def _cache_lines(summary: dict[str, Any]) -> list[str]:
     """Image repeats and the cache's answers against the expected ones, where measured."""
     lines = []
+    for outcome, g in summary.get("by_cache", {}).items():
+        lines.append(f"  {outcome:<13} {g['requests']:>4} req, TTFT p50 {_num(g['ttft_ms']['p50'])} ms, "
+                     f"E2E p50 {_num(g['e2el_ms']['p50'])} / p90 {_num(g['e2el_ms']['p90'])} ms")  # fmt: skip
     if "images" in summary:
         img = summary["images"]
         lines.append(f"image slots: {img['slots']}, repeats {img['repeats']}")

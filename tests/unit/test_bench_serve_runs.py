@@ -139,6 +139,9 @@ async def test_paraphrase_follow_ups_start_after_every_seed_is_answered() -> Non
     # The fake cache answers an exact repeat: every seed a miss, every repeat a hit.
     assert exp["kinds"]["seed"]["hits"] == 0 and exp["kinds"]["repeat"]["hits"] == 10
     assert exp["false_hits"] == exp["missed_hits"] == 0
+    by_cache = doc["summary"]["by_cache"]  # the fake serves hits and misses at one speed
+    assert {k: g["requests"] for k, g in by_cache.items()} == {"hit-exact": 10, "miss": 10}
+    assert by_cache["hit-exact"]["e2el_ms"]["p50"] == pytest.approx(1000 * _e2e(2))
     reqs = doc["requests"]
     last_seed_end = max(r["end_s"] for r in reqs if r["kind"] == "seed")
     assert min(r["send_s"] for r in reqs if r["kind"] == "repeat") >= last_seed_end
