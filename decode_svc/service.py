@@ -49,10 +49,14 @@ class DecodeService(EngineService):
         await self.receiver.start()
         # Served while draining: a hand-off continues a request admitted before the drain.
         adopt = self.answering(bus_pb2.DecodeRequest, bus_pb2.DecodeReply, self._adopt)
-        await self.serve_work(subjects.decode(self.instance_id), adopt, while_draining=True)
+        await self.serve_work(
+            subjects.decode(self.model_fingerprint, self.instance_id), adopt, while_draining=True
+        )
         # Conditional disaggregation: a short text prompt prefills here, no KV transfer.
         here = self.answering(bus_pb2.PrefillRequest, bus_pb2.PrefillReply, self._prefill_here)
-        await self.serve_work(subjects.prefill(self.instance_id), here, bus_pb2.PrefillReply)
+        await self.serve_work(
+            subjects.prefill(self.model_fingerprint, self.instance_id), here, bus_pb2.PrefillReply
+        )
 
     async def _prefill_here(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
         rid, llm = req.request_id, self.engine.engine

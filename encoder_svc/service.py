@@ -1,7 +1,7 @@
 """The encoder service: vision tower + projector, embeddings written to Redis.
 
 Takes ``epd.encode.<model>`` requests in a queue group (any replica may answer), and on
-``epd.encoder.<id>`` those whose image was sent ahead to this instance's blob inbox. A
+``epd.encoder.<fp>.<id>`` those whose image was sent ahead to this instance's blob inbox. A
 repeated image costs one Redis GET; concurrent requests for the same image encode it
 once. When Redis cannot hold an embedding, it goes to the request's prefill instance as
 a blob (services/bus/blobs.py).
@@ -75,7 +75,7 @@ class EncoderService(Service):
         await self.serve_work(subjects.encode(self.fingerprint), self._on_encode,
                               queue=subjects.QUEUE_ENCODE)  # fmt: skip
         # The image was sent ahead to this instance: refused while draining.
-        await self.serve_work(subjects.encoder(self.instance_id), self._on_encode,
+        await self.serve_work(subjects.encoder(self.fingerprint, self.instance_id), self._on_encode,
                               bus_pb2.EncodeReply)  # fmt: skip
 
     @torch.inference_mode()

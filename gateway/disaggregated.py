@@ -257,8 +257,8 @@ class DisaggregatedBackend:
             eos_token_ids=self.eos, max_model_len=self.info.max_model_len,
             output_token_ids=sent,
         )  # fmt: skip
-        ask = self.bus.request(subjects.prefill(pid), req, bus_pb2.PrefillReply,
-                               self.config.bus_timeout_s)  # fmt: skip
+        ask = self.bus.request(subjects.prefill(self.info.fingerprint, pid), req,
+                               bus_pb2.PrefillReply, self.config.bus_timeout_s)  # fmt: skip
         try:
             reply = await while_alive(
                 ask, lambda: self.alive(role, pid),

@@ -1,6 +1,6 @@
 """Step 3 of the request path: make sure every image of a request has an embedding.
 
-Each distinct image goes to an encoder the router picks (``epd.encoder.<id>``); the
+Each distinct image goes to an encoder the router picks (``epd.encoder.<fp>.<id>``); the
 encoder answers from Redis when the image is known, so a repeated image costs one Redis
 GET there and no tower pass. The gateway itself needs no Redis connection. An encoder
 that dies, refuses or goes silent mid-encode is left for another one at once (the
@@ -111,8 +111,8 @@ class ImageEncoder:
         return reply
 
     async def _ask(self, encoder_id: str, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
-        ask = self.bus.request(subjects.encoder(encoder_id), req, bus_pb2.EncodeReply,
-                               self.timeout_s)  # fmt: skip
+        ask = self.bus.request(subjects.encoder(self.fingerprint, encoder_id), req,
+                               bus_pb2.EncodeReply, self.timeout_s)  # fmt: skip
         try:
             return await while_alive(
                 ask, lambda: self.alive(subjects.ROLE_ENCODE, encoder_id),

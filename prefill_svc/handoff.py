@@ -47,8 +47,11 @@ def first_token_update(req: bus_pb2.PrefillRequest, out: RequestOutput) -> bus_p
 
 
 class HandOff:
-    def __init__(self, bus: Bus, sender: KVSender, instance_id: str, timeout_s: float):
+    def __init__(self, bus: Bus, sender: KVSender, instance_id: str, timeout_s: float,
+                 model_fingerprint: str):  # fmt: skip
         self.bus = bus
+        # Decode instances of this model only (epd.decode.<fp>.<id>).
+        self.model_fingerprint = model_fingerprint
         self.sender = sender
         self.instance_id = instance_id
         self.timeout_s = timeout_s
@@ -78,7 +81,7 @@ class HandOff:
         tid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         timeout = timeout_for(req.deadline_unix_ms, "KV transfer", self.timeout_s)
         adopt = asyncio.create_task(self.bus.request(
-            subjects.decode(req.decode_instance_id), self._decode_request(req, upd, tid),
+            subjects.decode(self.model_fingerprint, req.decode_instance_id), self._decode_request(req, upd, tid),
             bus_pb2.DecodeReply, timeout,
         ))  # fmt: skip
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)

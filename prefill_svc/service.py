@@ -1,6 +1,6 @@
 """The prefill service: the engine in prefill role.
 
-Takes ``PrefillRequest`` on ``epd.prefill.<id>``, reads image embeddings from Redis,
+Takes ``PrefillRequest`` on ``epd.prefill.<fp>.<id>``, reads image embeddings from Redis,
 runs the prompt (prefix cache, chunked prefill), publishes the first token straight to
 the gateway (TTFT does not wait for the KV transfer), then ships the prompt's KV blocks
 to the decode instance named in the request and hands the request over.
@@ -39,10 +39,16 @@ class PrefillService(EngineService):
         self.blobs = BlobInbox(self.bus, self.instance_id, self.config.max_blob_mb << 20)
         await self.blobs.start()
         self.handoff = HandOff(
-            self.bus, NatsKVSender(self.bus), self.instance_id, self.config.bus_timeout_s
+            self.bus,
+            NatsKVSender(self.bus),
+            self.instance_id,
+            self.config.bus_timeout_s,
+            self.model_fingerprint,
         )
         admit = self.answering(bus_pb2.PrefillRequest, bus_pb2.PrefillReply, self._admit)
-        await self.serve_work(subjects.prefill(self.instance_id), admit, bus_pb2.PrefillReply)
+        await self.serve_work(
+            subjects.prefill(self.model_fingerprint, self.instance_id), admit, bus_pb2.PrefillReply
+        )
 
     async def _admit(self, req: bus_pb2.PrefillRequest) -> bus_pb2.Error | None:
         rid = req.request_id

@@ -1,8 +1,12 @@
 """Every NATS subject and queue group used by epd-serve, in one place.
 
-Work any replica may take goes to a shared subject with a queue group
-(``epd.encode.<model>``, ``epd.cache.*``); work the router assigns goes to a per-instance
-subject (``epd.prefill.<id>``, ``epd.decode.<id>``, ``epd.encoder.<id>``). Payloads too large for
+Several models share one bus, so every work subject names the model (its fingerprint):
+work any replica of a model may take goes to a shared subject with a queue group
+(``epd.encode.<fp>``); work the router assigns goes to a per-instance subject under the
+model (``epd.prefill.<fp>.<id>``, ``epd.decode.<fp>.<id>``, ``epd.encoder.<fp>.<id>``), so
+a request can only reach an instance of its model, whatever the instance ids. The
+semantic cache (``epd.cache.*``) is shared: its entries carry the answering model's
+fingerprint. Payloads too large for
 a message arrive chunked on one per-instance subject (``epd.kv.<id>`` for KV blocks,
 ``epd.blob.<id>`` for images and embeddings) and carry their transfer id inside the
 frames, so the receiver subscribes once and no sender races a late subscription.
@@ -49,14 +53,14 @@ def cache(op: str) -> str:
     return f"{PREFIX}.cache.{check_token(op, 'cache op')}"
 
 
-def prefill(instance_id: str) -> str:
-    """Subject of one prefill instance: ``epd.prefill.<id>``."""
-    return f"{PREFIX}.prefill.{check_token(instance_id, 'instance id')}"
+def prefill(model_fingerprint: str, instance_id: str) -> str:
+    """Subject of one prefill instance of a model: ``epd.prefill.<fp>.<id>``."""
+    return f"{PREFIX}.prefill.{_scoped(model_fingerprint, instance_id)}"
 
 
-def decode(instance_id: str) -> str:
-    """Subject of one decode instance: ``epd.decode.<id>``."""
-    return f"{PREFIX}.decode.{check_token(instance_id, 'instance id')}"
+def decode(model_fingerprint: str, instance_id: str) -> str:
+    """Subject of one decode instance of a model: ``epd.decode.<fp>.<id>``."""
+    return f"{PREFIX}.decode.{_scoped(model_fingerprint, instance_id)}"
 
 
 def encode(model_fingerprint: str) -> str:
@@ -65,9 +69,10 @@ def encode(model_fingerprint: str) -> str:
     return f"{PREFIX}.encode.{check_token(model_fingerprint, 'model fingerprint')}"
 
 
-def encoder(instance_id: str) -> str:
-    """Subject of one encoder instance (images sent ahead as blobs): ``epd.encoder.<id>``."""
-    return f"{PREFIX}.encoder.{check_token(instance_id, 'instance id')}"
+def encoder(model_fingerprint: str, instance_id: str) -> str:
+    """Subject of one encoder instance of a model (images sent ahead as blobs):
+    ``epd.encoder.<fp>.<id>``."""
+    return f"{PREFIX}.encoder.{_scoped(model_fingerprint, instance_id)}"
 
 
 def ping(instance_id: str) -> str:
@@ -101,6 +106,12 @@ def heartbeat(role: str, instance_id: str) -> str:
 def heartbeat_wildcard(role: str) -> str:
     """Subject matching every heartbeat of a role: ``epd.hb.<role>.*``."""
     return f"{PREFIX}.hb.{_check_role(role)}.*"
+
+
+def _scoped(model_fingerprint: str, instance_id: str) -> str:
+    """``<fp>.<id>``: an instance's tokens under its model."""
+    fp = check_token(model_fingerprint, "model fingerprint")
+    return f"{fp}.{check_token(instance_id, 'instance id')}"
 
 
 def _check_role(role: str) -> str:

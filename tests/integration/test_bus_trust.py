@@ -161,7 +161,8 @@ async def _forge_transfer(peer: Bus, decode, case: str, token_id: int) -> bus_pb
         deadline_unix_ms=int((time.time() + 30) * 1000),
     )  # fmt: skip
     header, payload = _kv_case(decode, case, num_tokens)
-    adopt = asyncio.create_task(peer.request(subjects.decode(decode.instance_id), dreq,
+    adopt = asyncio.create_task(peer.request(subjects.decode(decode.model_fingerprint,
+                                                             decode.instance_id), dreq,
                                              bus_pb2.DecodeReply, 30))  # fmt: skip
     # The receiver takes the whole payload before it validates it: the send completes.
     await send_chunked(peer, subjects.kv(decode.instance_id), encode(header), payload,
@@ -210,7 +211,8 @@ async def test_kv_sender_with_a_foreign_dtype_is_refused(stack, peer):
                                  num_prompt_tokens=20, first_token_id=5, kv_transfer_id=tid,
                                  sampling=pb.SamplingParams(temperature=0.0, max_tokens=4),
                                  deadline_unix_ms=int((time.time() + 30) * 1000))  # fmt: skip
-    adopt = asyncio.create_task(peer.request(subjects.decode(decode.instance_id), dreq,
+    adopt = asyncio.create_task(peer.request(subjects.decode(decode.model_fingerprint,
+                                                             decode.instance_id), dreq,
                                              bus_pb2.DecodeReply, 30))  # fmt: skip
     await NatsKVSender(peer).send(decode.instance_id, tid, rid, kv, 20, 30)
     reply = await asyncio.wait_for(adopt, WAIT_S)
@@ -370,7 +372,8 @@ async def test_a_bad_pushed_embedding_fails_only_its_own_prefill_request(stack, 
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=4),
             deadline_unix_ms=int((time.time() + 30) * 1000), max_model_len=gw.core.info.max_model_len,
         )  # fmt: skip
-        return await peer.request(subjects.prefill(prefill.instance_id), req,
+        return await peer.request(subjects.prefill(prefill.model_fingerprint,
+                                                   prefill.instance_id), req,
                                   bus_pb2.PrefillReply, 30)  # fmt: skip
 
     async with asyncio.timeout(WAIT_S):

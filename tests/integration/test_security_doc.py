@@ -35,23 +35,23 @@ FP, ID = "fp0123", "x-1"
 
 # role -> (may publish, may subscribe); the doc's table, written with subjects.py.
 ALLOWED = {
-    "gateway": ([subjects.encode(FP), subjects.encoder(ID), subjects.blob(ID),
-                 subjects.prefill(ID), subjects.CACHE_LOOKUP, subjects.CACHE_STORE,
+    "gateway": ([subjects.encode(FP), subjects.encoder(FP, ID), subjects.blob(ID),
+                 subjects.prefill(FP, ID), subjects.CACHE_LOOKUP, subjects.CACHE_STORE,
                  subjects.ABORT, subjects.heartbeat("gateway", ID)],
                 [subjects.out(ID), subjects.heartbeat_wildcard("decode"), "_INBOX.abc.*"]),
     "encoder": ([subjects.blob(ID), subjects.heartbeat("encode", ID)],
-                [subjects.encode(FP), subjects.encoder(ID), subjects.blob(ID)]),
-    "prefill": ([subjects.decode(ID), subjects.kv(ID), subjects.out(ID),
+                [subjects.encode(FP), subjects.encoder(FP, ID), subjects.blob(ID)]),
+    "prefill": ([subjects.decode(FP, ID), subjects.kv(ID), subjects.out(ID),
                  subjects.heartbeat("prefill", ID)],
-                [subjects.prefill(ID), subjects.blob(ID), subjects.ABORT]),
+                [subjects.prefill(FP, ID), subjects.blob(ID), subjects.ABORT]),
     "decode": ([subjects.out(ID), subjects.heartbeat("decode", ID)],
-               [subjects.decode(ID), subjects.kv(ID), subjects.ABORT]),
+               [subjects.decode(FP, ID), subjects.kv(ID), subjects.ABORT]),
     "cache": ([subjects.heartbeat("cache", ID)], [subjects.CACHE_LOOKUP, subjects.CACHE_STORE]),
 }  # fmt: skip
 # One step outside the table per role: (publish, subscribe).
 DENIED = {
-    "gateway": (subjects.kv(ID), subjects.prefill(ID)),
-    "encoder": (subjects.prefill(ID), subjects.kv(ID)),
+    "gateway": (subjects.kv(ID), subjects.prefill(FP, ID)),
+    "encoder": (subjects.prefill(FP, ID), subjects.kv(ID)),
     "prefill": (subjects.heartbeat("decode", ID), subjects.out(ID)),
     "decode": (subjects.kv(ID), subjects.blob(ID)),
     "cache": (subjects.ABORT, subjects.heartbeat_wildcard("decode")),
@@ -143,9 +143,9 @@ async def test_request_reply_across_roles(connect) -> None:
     async def admit(msg: Incoming) -> None:
         await msg.respond(bus_pb2.Heartbeat(instance_id="p-1", running=1))
 
-    await prefill.subscribe(subjects.prefill("p-1"), admit)
+    await prefill.subscribe(subjects.prefill(FP, "p-1"), admit)
     await prefill.flush()
-    reply = await gateway.request(subjects.prefill("p-1"), bus_pb2.Abort(), bus_pb2.Heartbeat,
+    reply = await gateway.request(subjects.prefill(FP, "p-1"), bus_pb2.Abort(), bus_pb2.Heartbeat,
                                   2.0)  # fmt: skip
     assert reply.instance_id == "p-1"
 

@@ -10,10 +10,11 @@ from services.bus import subjects
 def test_subject_names() -> None:
     assert subjects.encode("4f5f881477c4651e") == "epd.encode.4f5f881477c4651e"
     assert subjects.cache("lookup") == subjects.CACHE_LOOKUP == "epd.cache.lookup"
-    assert subjects.prefill("p-0") == "epd.prefill.p-0"
-    assert subjects.decode("d_1") == "epd.decode.d_1"
+    # Work the router assigns: under the model's fingerprint, then the instance.
+    assert subjects.prefill("fp1", "p-0") == "epd.prefill.fp1.p-0"
+    assert subjects.decode("fp1", "d_1") == "epd.decode.fp1.d_1"
     assert subjects.kv("d_1") == "epd.kv.d_1"
-    assert subjects.encoder("e-0") == "epd.encoder.e-0"
+    assert subjects.encoder("fp1", "e-0") == "epd.encoder.fp1.e-0"
     assert subjects.blob("p-0") == "epd.blob.p-0"
     assert subjects.out("gw0") == "epd.out.gw0"
     assert subjects.ABORT == "epd.abort"
@@ -24,7 +25,9 @@ def test_subject_names() -> None:
 @pytest.mark.parametrize("bad", ["", "a.b", "*", ">", "a b", "x\n"])
 def test_rejects_tokens_that_would_change_the_subject(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid"):
-        subjects.decode(bad)
+        subjects.decode("fp1", bad)
+    with pytest.raises(ValueError, match="invalid model fingerprint"):
+        subjects.prefill(bad, "p-0")
 
 
 def test_rejects_unknown_role() -> None:
