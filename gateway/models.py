@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gateway.core import GatewayCore
 from gateway.events import BackendError
 from gateway.prepare import ModelNotFoundError, PreparedRequest
+from services.metrics import REQUESTS
 
 
 class UnknownModel(ModelNotFoundError):
@@ -129,11 +130,21 @@ class ModelSet:
                                kwargs.get("prompt_token_ids"), list(kwargs.get("images") or ()),
                                kwargs.get("tenant", ""), kwargs.get("session_key", ""))  # fmt: skip
         core = self.resolve(kwargs.get("model") or "", request)
+        self.check_capacity()
         core.check_capacity()
         kwargs["model"] = core.info.model_id
         prep = await core.prepare(**kwargs)
         prep.route_headers = {**headers, "x-epd-model": core.info.model_id}
         return core, prep
+
+    def check_capacity(self) -> None:
+        """RESOURCE_EXHAUSTED when the gateway (every model together) already has
+        ``max_inflight`` requests in progress."""
+        total, limit = sum(c.inflight for c in self), self.default.config.max_inflight
+        if total >= limit:
+            REQUESTS.labels("rejected").inc()
+            raise BackendError("RESOURCE_EXHAUSTED", f"the server is at capacity ({total} "
+                               "requests in progress); retry later")  # fmt: skip
 
     def live(self) -> list[GatewayCore]:
         """Models that have live instances now (what /v1/models and ListModels list)."""

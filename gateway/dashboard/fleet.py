@@ -33,11 +33,14 @@ class FleetView:
     ``backend``: a started DisaggregatedBackend (its registry, router and bus). The cache
     service's heartbeats are tracked by a registry of our own (routing has no use for
     them), started on the first ``rows`` call; it goes with the backend's bus.
+    ``routers``: every model's router (a gateway of several models; default: the
+    backend's), whose leases make the in-flight column.
     """
 
     def __init__(self, backend, gone_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, routers: list | None = None):  # fmt: skip
         self.backend, self.gone_s, self._clock = backend, gone_s, clock
+        self._routers = routers
         self._cache_registry: InstanceRegistry | None = None
         self._last: dict[tuple[str, str], InstanceInfo] = {}  # every instance seen lately
 
@@ -81,9 +84,10 @@ class FleetView:
         return self.backend.config.instance_ttl_s
 
     def _inflight(self, info: InstanceInfo) -> int | None:
-        if info.role == subjects.ROLE_CACHE or self.backend.router is None:
+        routers = self._routers or [self.backend.router]
+        if info.role == subjects.ROLE_CACHE or any(r is None for r in routers):
             return None
-        return self.backend.router.inflight(info.role, info.instance_id)
+        return sum(r.inflight(info.role, info.instance_id) for r in routers)
 
 
 def _order(key: tuple[str, str]) -> tuple[int, str]:

@@ -23,11 +23,13 @@ _TYPES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; 
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
-def add_dashboard_routes(app: FastAPI, core: GatewayCore) -> None:
-    """GET /dashboard, /dashboard/app.js, /dashboard/style.css, /dashboard/api/state."""
+def add_dashboard_routes(app: FastAPI, core: GatewayCore,
+                         cores: list[GatewayCore] | None = None) -> None:  # fmt: skip
+    """GET /dashboard, /dashboard/app.js, /dashboard/style.css, /dashboard/api/state.
+    ``cores``: every model the gateway serves (``core``: the default one's)."""
     static = resources.files("gateway.dashboard") / "static"
     assets = {name: (static / name).read_bytes() for name in _TYPES}
-    state = DashboardState(core)
+    state = DashboardState(core, cores)
 
     def serve(name: str):
         async def asset() -> Response:

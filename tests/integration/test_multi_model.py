@@ -11,8 +11,8 @@ UNAVAILABLE, and an unknown model 404 / NOT_FOUND.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-import urllib.request
 
 import grpc
 import httpx
@@ -27,7 +27,7 @@ from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pbg
 from services import LLM, SamplingParams
 from services.bus import subjects
-from services.config import EngineConfig
+from services.config import EngineConfig, ServiceConfig
 from services.localstack import free_port
 from tests.helpers.checkpoints import make_text_checkpoint
 from tests.helpers.fleet import ProcessFleet, Worker, fail_message, text_fleet_env
@@ -58,11 +58,12 @@ class MultiModelFleet:
     def llama_decode(self) -> DecodeService:
         return self.llama_services[1]
 
-    def qwen_generated(self) -> float:
-        """Tokens the Qwen2 decode process has sampled (its own /metrics)."""
+    async def qwen_generated(self) -> float:
+        """Tokens the Qwen2 decode process has sampled (its own /metrics). Asynchronous:
+        the in-process services must keep beating meanwhile."""
         url = f"http://127.0.0.1:{self.qwen_metrics}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(url)).text
         found = re.search(r"^epd_engine_generated_tokens_total (\S+)$", text, re.M)
         return float(found.group(1)) if found else 0.0
 
@@ -97,7 +98,13 @@ async def fleet(checkpoints, nats_server, redis_server, tmp_path_factory):
     f.qwen_decode = procs.spawn(subjects.ROLE_DECODE, "mm-qwen-decode",
                                 EPD_METRICS_PORT=str(f.qwen_metrics))  # fmt: skip
     engine = EngineConfig(model=llama, num_kv_blocks=128)
-    cfg = lambda name: service_config(nats_server.url, redis_server.url, name)  # noqa: E731
+
+    def cfg(name: str) -> ServiceConfig:
+        # The services' default beat (1 s) and expiry (3 s): the in-process ones share
+        # this event loop, and a busy machine must not read a late beat as a death.
+        c = service_config(nats_server.url, redis_server.url, name)
+        return dataclasses.replace(c, heartbeat_s=1.0, instance_ttl_s=3.0)
+
     f.llama_services = [PrefillService(engine, cfg("mm-llama-prefill")),
                         DecodeService(engine, cfg("mm-llama-decode"))]  # fmt: skip
     try:
@@ -140,17 +147,17 @@ async def test_each_request_lands_on_its_model(fleet: MultiModelFleet, reference
     assert (llama, qwen) == ("llama-0", "qwen2-0")
     for model, path in ((llama, fleet.llama), (qwen, fleet.qwen)):
         for prompt, want in zip(PROMPTS, reference[path], strict=True):
-            adopted, qwen_tokens = fleet.llama_decode.adopted, fleet.qwen_generated()
+            adopted, qwen_tokens = fleet.llama_decode.adopted, await fleet.qwen_generated()
             out = await fleet.stub.GenerateOnce(_request(model, prompt), timeout=120)
             assert out.model == model
             assert list(out.token_ids) == want, (model, prompt)
             # The answering instance is the model's own decode instance, never the other's.
             if model == llama:
                 assert fleet.llama_decode.adopted == adopted + 1
-                assert fleet.qwen_generated() == qwen_tokens
+                assert await fleet.qwen_generated() == qwen_tokens
             else:
                 assert fleet.llama_decode.adopted == adopted
-                assert fleet.qwen_generated() >= qwen_tokens + TOKENS - 1
+                assert await fleet.qwen_generated() >= qwen_tokens + TOKENS - 1
     # The two models really differ here: the same prompt, other tokens.
     assert reference[fleet.llama] != reference[fleet.qwen]
 
@@ -162,6 +169,10 @@ async def test_models_are_listed_over_rest_and_grpc(fleet: MultiModelFleet):
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         data = (await client.get("/v1/models")).json()["data"]
         assert [m["id"] for m in data] == list(_names(fleet))
+        # The dashboard names every instance's model (not its fingerprint).
+        state = (await client.get("/dashboard/api/state")).json()
+        models = {(r["role"], r["model"]) for r in state["instances"] if r["role"] != "gateway"}
+        assert models == {(role, m) for role in ("prefill", "decode") for m in _names(fleet)}
         unknown = await client.post("/v1/chat/completions", json={
             "model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert unknown.status_code == 404

@@ -110,6 +110,23 @@ async def test_prepare_tokenizes_with_the_resolved_model(models: ModelSet):
         assert prep.prompt_token_ids == expected
 
 
+async def test_the_inflight_limit_counts_every_model(paths):
+    from gateway.config import GatewayConfig
+    from gateway.events import BackendError
+
+    cores = [_core(p) for p in paths]
+    for core in cores:
+        core.config = GatewayConfig(max_inflight=3)
+    models = ModelSet(cores)
+    cores[0].inflight, cores[1].inflight = 2, 1  # each under the limit, together at it
+    with pytest.raises(BackendError) as full:
+        await models.prepare(model="qwen2-0", params={}, prompt="hi")
+    assert full.value.code == "RESOURCE_EXHAUSTED"
+    cores[0].inflight = 1
+    core, _ = await models.prepare(model="qwen2-0", params={"max_tokens": 2}, prompt="hi")
+    assert core is cores[1]
+
+
 def test_duplicate_names_are_refused(paths):
     with pytest.raises(ValueError, match="given twice"):
         ModelSet([_core(paths[0]), _core(paths[0])])
