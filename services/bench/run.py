@@ -39,8 +39,12 @@ _NOT_CONFIG = {"func", "api_key", "command", "bench_command", "log_level", "log_
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
-    """Every flag but the secret ones and argparse's plumbing."""
-    return {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    """Every flag but the secret ones and argparse's plumbing (header values of
+    ``authorization`` are masked)."""
+    config = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    config["header"] = [h if h.split(":", 1)[0].strip().lower() != "authorization"
+                        else h.split(":", 1)[0] + ":***" for h in getattr(args, "header", [])]  # fmt: skip
+    return config
 
 
 def dataset_requests(args: argparse.Namespace, n: int) -> list[BenchRequest]:
@@ -72,6 +76,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit("--random-token-ids: the random dataset on the completions endpoint")
         args.endpoint = "completions"
     args.endpoint = args.endpoint or "chat"
+    if any(":" not in h for h in args.header):
+        raise SystemExit(f"--header wants KEY:VALUE, got {args.header}")
     if args.dataset in ("random-mm", "paraphrase") and args.endpoint != "chat":
         raise SystemExit(f"--dataset {args.dataset} sends chat requests: drop --endpoint")
     if args.duration is not None:
@@ -123,7 +129,7 @@ def _sender(args: argparse.Namespace, client: httpx.AsyncClient, user: str | Non
     """Build and send one request's body; the record is tagged with the dataset's facts."""
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     url = args.base_url.rstrip("/") + path
-    headers = dict(h.split(":", 1) for h in args.header)
+    headers = {k.strip(): v.strip() for k, v in (h.split(":", 1) for h in args.header)}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
 

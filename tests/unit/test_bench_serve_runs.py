@@ -161,20 +161,26 @@ def test_flag_combinations_that_cannot_run_are_refused() -> None:
     for flags in (("--dataset", "paraphrase", "--duration", "5", "--max-concurrency", "2"),
                   ("--duration", "5"),  # an infinite rate and no cap: endless burst
                   ("--random-token-ids", "--endpoint", "chat"),
-                  ("--dataset", "random-mm", "--endpoint", "completions")):  # fmt: skip
+                  ("--dataset", "random-mm", "--endpoint", "completions"),
+                  ("--header", "x-epd-cache")):  # fmt: skip
         with pytest.raises(SystemExit):
             asyncio.run(bench_serve(_args(*flags), Sim().io()))
     with pytest.raises(SystemExit):
         _args("--sweep", "1,0")
 
 
-def test_result_json_has_no_nan_or_infinity(tmp_path) -> None:
+def test_result_json_has_no_nan_infinity_or_secret(tmp_path) -> None:
     sim = Sim()
     out = tmp_path / "r.json"
     args = _args("--num-prompts", "2", "--random-output-len", "1", "--result-json", str(out))
     doc = asyncio.run(bench_serve(args, sim.io()))
     text = json.dumps(doc, allow_nan=False)  # raises on NaN or inf
     assert doc["config"]["request_rate"] == "inf" and "Infinity" not in text
+    args = _args("--num-prompts", "1", "--random-output-len", "1", "--api-key", "k1",
+                 "--header", "Authorization: Bearer k2", "--header", "x-a:b")  # fmt: skip
+    doc = asyncio.run(bench_serve(args, Sim().io()))
+    assert doc["config"]["header"] == ["Authorization:***", "x-a:b"]
+    assert "k1" not in json.dumps(doc) and "k2" not in json.dumps(doc)
 
 
 def _run(rate: float | str, cap: int | None, base: float) -> dict:
