@@ -8,6 +8,7 @@ CDN: users run this offline).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 
 from fastapi import FastAPI
@@ -15,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.core import GatewayCore
 from gateway.dashboard.state import DashboardState
+from gateway.semantic_router.dashboard import decisions_document
 
 _TYPES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
           "style.css": "text/css; charset=utf-8"}  # fmt: skip
@@ -23,10 +25,11 @@ _TYPES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; 
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
-def add_dashboard_routes(app: FastAPI, core: GatewayCore,
-                         cores: list[GatewayCore] | None = None) -> None:  # fmt: skip
-    """GET /dashboard, /dashboard/app.js, /dashboard/style.css, /dashboard/api/state.
-    ``cores``: every model the gateway serves (``core``: the default one's)."""
+def add_dashboard_routes(app: FastAPI, core: GatewayCore, cores: list[GatewayCore] | None = None,
+                         router: Callable[[], object] | None = None) -> None:  # fmt: skip
+    """GET /dashboard, /dashboard/app.js, /dashboard/style.css, /dashboard/api/state and
+    /dashboard/api/router. ``cores``: every model the gateway serves (``core``: the
+    default one's); ``router``: the semantic router's hook, when there is one."""
     static = resources.files("gateway.dashboard") / "static"
     assets = {name: (static / name).read_bytes() for name in _TYPES}
     state = DashboardState(core, cores)
@@ -47,3 +50,9 @@ def add_dashboard_routes(app: FastAPI, core: GatewayCore,
     @app.get("/dashboard/api/state", include_in_schema=False)
     async def dashboard_state() -> Response:
         return JSONResponse(await state.document(), headers=_NO_STORE)
+
+    @app.get("/dashboard/api/router", include_in_schema=False)
+    async def dashboard_router() -> Response:
+        hook = router() if router is not None else None
+        doc = decisions_document(hook.router if hook is not None else None)
+        return JSONResponse(doc, headers=_NO_STORE)

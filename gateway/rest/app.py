@@ -53,7 +53,7 @@ def build_app(served: GatewayCore | ModelSet) -> GatewayMiddleware:
     app = FastAPI(title="epd-serve", version=VERSION, openapi_url="/openapi.json", docs_url="/docs")
     direct = _post_routes(app, models)
     _get_routes(app, models)
-    add_dashboard_routes(app, core, list(models))
+    add_dashboard_routes(app, core, list(models), router=lambda: models.router)
     app.add_exception_handler(HTTPException, _http_error)
     app.openapi = lambda: _openapi(app)
     limit = core.config.max_body_mb << 20

@@ -186,11 +186,34 @@ function render(state) {
   table(state.instances);
 }
 
+// The semantic router's last decisions (GET /dashboard/api/router); hidden without one.
+function decisions(doc) {
+  document.getElementById("router").hidden = !doc.enabled;
+  if (!doc.enabled) return;
+  const body = document.querySelector("#decisions tbody");
+  body.replaceChildren();
+  for (const d of doc.decisions) {
+    const row = body.insertRow();
+    cell(row, new Date(d.at * 1000).toLocaleTimeString());
+    cell(row, d.requested || "(default)");
+    cell(row, d.route);
+    cell(row, d.model);
+    cell(row, d.signals.join(", "));
+    cell(row, d.guard_reason.length ? `${d.guard} (${d.guard_reason.join(", ")})` : d.guard,
+      d.guard.startsWith("block") ? "guard-block" : "");
+    cell(row, d.ms.toFixed(2));
+  }
+  const parts = Object.entries(doc.routes).map(([k, v]) => `${k} ${v}`);
+  text("router-totals", `last ${doc.decisions.length}: ${parts.join(", ")}`);
+}
+
 async function poll() {
   try {
     const response = await fetch("/dashboard/api/state", { cache: "no-store" });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     render(await response.json());
+    const routed = await fetch("/dashboard/api/router", { cache: "no-store" });
+    if (routed.ok) decisions(await routed.json());
   } catch (err) {
     text("updated", `gateway unreachable (${err.message}); retrying`);
   } finally {
