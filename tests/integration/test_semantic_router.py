@@ -208,3 +208,16 @@ async def test_a_bad_router_config_stops_the_start(fleet, nats_server, redis_ser
     with pytest.raises(RouterConfigError, match=r"routes\[1\].model: 'llama-9' is not served"):
         await gw.start()
     await gw.stop()
+
+
+async def test_the_dashboard_shows_decisions_but_no_prompts(fleet):
+    await complete(fleet, "my python traceback again")
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.get(f"{fleet.url}/dashboard/api/router")
+    doc = r.json()
+    assert r.status_code == 200 and doc["enabled"] and doc["virtual_models"] == ["auto"]
+    newest = doc["decisions"][0]
+    assert (newest["route"], newest["model"], newest["guard"]) == ("code", "llama-0", "allow")
+    assert newest["signals"] == ["keyword:python"] and newest["ms"] >= 0
+    assert any(d["guard"] == "block:jailbreak" for d in doc["decisions"])
+    assert "traceback" not in r.text and "system prompt" not in r.text
