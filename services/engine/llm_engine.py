@@ -18,6 +18,7 @@ from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.spec_decoding import SpecDecoding
 from services.engine.step_metrics import observe_scheduled, observe_step
 from services.images import ImagePreprocessor
 from services.kernels.backend import get_backend
@@ -54,6 +55,8 @@ class LLMEngine:
             max_model_len=lm.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
         ), self.block_manager)  # fmt: skip
         self.runner = ModelRunner(lm.model, self.kv, self.backend, lm.device)
+        spec = config.speculative_config
+        self.spec = SpecDecoding.build(spec, lm, self.runner) if spec is not None else None
         self.inputs = InputProcessor(
             self.tokenizer, lm.max_model_len, lm.text_config.vocab_size,
             getattr(lm.model, "image_token_id", None), getattr(lm.model, "tokens_per_image", 0),
@@ -170,7 +173,7 @@ class LLMEngine:
         self.imports.release(request_id)
         req = self.scheduler.abort_request(request_id)
         state = self.states.pop(request_id, None)
-        self.runner.drop_request(request_id)
+        self._drop_request(request_id)
         if req is None or state is None:
             return None
         self._exports.discard(request_id)
@@ -201,26 +204,51 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------
     def _burst_steps(self) -> int:
         """Steps to ask the scheduler for: num_scheduler_steps when every running request
-        may take its tokens in a burst (plain greedy, not a prefill-role export)."""
+        may take its tokens in a burst (plain greedy, not a prefill-role export) and no
+        speculative decoding."""
         n = self.config.num_scheduler_steps
+        if self.spec is not None:  # a step verifies drafts instead
+            return 1
         if n > 1 and not self._exports and all(plain_greedy(r) for r in self.scheduler.running):
             return n
         return 1
 
+    def _drop_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request's runner (and proposer) state."""
+        self.runner.drop_request(request_id)
+        if self.spec is not None:
+            self.spec.free(request_id)
+
+    def _run_step(self, so) -> tuple[list[Request], dict, dict, dict]:
+        """Run the scheduled step: (finished, tokens per request, their logprobs per
+        request, exported KV)."""
+        if so.num_steps > 1:
+            burst = self.runner.execute_burst(so.scheduled, so.num_steps)
+            return (*self.scheduler.update_from_burst(so, burst), {}, {})
+        if self.spec is not None:
+            result = self.runner.execute_verify(so.scheduled)
+            exported = self._export_kv({rid: t[0] for rid, t in result.tokens.items()})
+            self.spec.observe(so, result.tokens)
+            finished, new_tokens = self.scheduler.update_from_verify(so, result.tokens)
+            return finished, new_tokens, result.logprobs, exported
+        result = self.runner.execute(so.scheduled)
+        exported = self._export_kv(result.sampled)
+        finished = self.scheduler.update_from_output(so, result.sampled)
+        new_tokens = {rid: [token] for rid, token in result.sampled.items()}
+        return finished, new_tokens, {r: [lp] for r, lp in result.logprobs.items()}, exported
+
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self._exports, self.runner)
         so = self.scheduler.schedule(self._burst_steps())
         observe_scheduled(so)
         for rid in so.finished_ids:
-            self.runner.drop_request(rid)
-        if so.num_steps > 1:
-            burst = self.runner.execute_burst(so.scheduled, so.num_steps)
-            exported, logprobs = {}, {}
-            finished, new_tokens = self.scheduler.update_from_burst(so, burst)
-        else:
-            result = self.runner.execute(so.scheduled)
-            exported, logprobs = self._export_kv(result.sampled), result.logprobs
-            finished = self.scheduler.update_from_output(so, result.sampled)
-            new_tokens = {rid: [token] for rid, token in result.sampled.items()}
+            self._drop_request(rid)
+        for rid in so.preempted_ids:  # recomputed later: hidden rows come again
+            self.runner.aux_rows.pop(rid, None)
+            if self.spec is not None:
+                self.spec.free(rid)
+        finished, new_tokens, logprobs, exported = self._run_step(so)
         observe_step(so, new_tokens)
         touched: dict[str, RequestState] = {}
         for rid, tokens in new_tokens.items():
@@ -228,16 +256,17 @@ class LLMEngine:
             if state is None:
                 continue
             touched[rid] = state
-            stop = None
-            for token in tokens:
-                if (stop := state.append(token, logprobs.get(rid))) is not None:
+            stop, lps = None, logprobs.get(rid, [])
+            for i, token in enumerate(tokens):
+                lp = lps[i] if i < len(lps) else None
+                if (stop := state.append(token, lp)) is not None:
                     break
             if stop is not None:
                 state.finish("stop", stop)
                 req = self.scheduler.get_request(rid)
                 if req is not None and not req.is_finished:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop)
-                    self.runner.drop_request(rid)
+                    self._drop_request(rid)
         for req in finished:
             if req.request_id in self.states:
                 self.states[req.request_id].finish(req.status.value, req.stop_reason)
@@ -261,6 +290,6 @@ class LLMEngine:
                 out.kv_blocks = exported.get(rid)
                 if out.finished:
                     self.states.pop(rid, None)
-                    self.runner.drop_request(rid)
+                    self._drop_request(rid)
             produced.append((rid, bool(state.token_ids), out))
         return self.parallel.gather(produced)

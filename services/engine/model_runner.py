@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
 from services.engine.sampler import sample
+from services.engine.spec_verify import num_accepted, verify_rows
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
 from services.outputs import TokenLogprobs
@@ -27,12 +28,25 @@ class StepInputs:
     sampling: list[Request]  # the S requests that sample this step, in row order
     # Image embedding rows to place: (first row in the step, embeddings [n, hidden]).
     mm_rows: list[tuple[int, torch.Tensor]]
+    # Speculative decoding: each sampling request's drafts (its out rows: 1 + k of them,
+    # the last ones of its query), and (request id, first row, rows) of every request.
+    drafts: list[list[int]] = field(default_factory=list)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass
 class StepOutput:
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+
+
+@dataclass
+class VerifyOutput:
+    """A step with speculative decoding: per sampling request, the tokens it emits (its
+    accepted drafts, then the target's token) and their logprobs when asked for."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
 
 
 class ModelRunner:
@@ -46,6 +60,10 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.mm_embeds: dict[str, list[torch.Tensor]] = {}
         self.seeds: dict[str, int] = {}
+        # Speculative decoding: target layers whose outputs the draft proposer needs
+        # (captured only when set), and each request's rows not yet handed to it.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_rows: dict[str, list[torch.Tensor]] = {}
 
     def add_request(self, req: Request, seed: int, image_embeds: list[torch.Tensor]) -> None:
         self.seeds[req.request_id] = seed
@@ -55,6 +73,14 @@ class ModelRunner:
     def drop_request(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
         self.mm_embeds.pop(request_id, None)
+        self.aux_rows.pop(request_id, None)
+
+    def take_aux_rows(self, request_id: str) -> torch.Tensor | None:
+        """The request's captured aux hidden rows since the last call ([m, A]), if any."""
+        rows = self.aux_rows.pop(request_id, None)
+        if not rows:
+            return None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _image_rows(self, req: Request, start: int, end: int, row0: int):
         """Embedding rows of the request's images that fall in token range [start, end)."""
@@ -67,42 +93,51 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> StepInputs:
         ids, pos, slots, qlens, seqlens, tables = [], [], [], [], [], []
-        logits_idx, sample_seqs, sampling, mm_rows = [], [], [], []
+        logits_idx, sample_seqs, sampling, mm_rows, drafts, spans = [], [], [], [], [], []
         bs = self.block_size
         for item in scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
-            row0 = len(ids)
-            ids.extend(req.all_token_ids[start : start + n])
+            row0, k = len(ids), len(item.draft_token_ids)
+            ids.extend(req.all_token_ids[start : start + n - k])
+            ids.extend(item.draft_token_ids)
             pos.extend(range(start, start + n))
             slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             qlens.append(n)
             seqlens.append(start + n)
             tables.append(req.block_ids)
+            spans.append((req.request_id, row0, n))
             if req.images:
                 mm_rows.extend(self._image_rows(req, start, start + n, row0))
-            if start + n == req.num_tokens:
-                logits_idx.append(len(ids) - 1)
-                sample_seqs.append(len(qlens) - 1)
+            if start + n - k == req.num_tokens:  # the last known token (and drafts) sample
+                logits_idx.extend(range(len(ids) - 1 - k, len(ids)))
+                sample_seqs.extend([len(qlens) - 1] * (k + 1))
                 sampling.append(req)
+                drafts.append(item.draft_token_ids)
         attn = self._attn_meta(qlens, seqlens, tables, slots)
         return StepInputs(
             input_ids=self._tensor(ids, torch.long),
             positions=self._tensor(pos, torch.long),
             attn=attn,
-            out_rows=self._out_rows(logits_idx, sample_seqs, attn),
+            out_rows=self._out_rows(logits_idx, sample_seqs, attn, pos),
             sampling=sampling,
             mm_rows=mm_rows,
+            drafts=drafts,
+            spans=spans,
         )
 
-    def _out_rows(self, rows: list[int], seqs: list[int], attn) -> OutputRows | None:
-        """The last rows of the sampling sequences ``seqs``, as one query each."""
+    def _out_rows(self, rows: list[int], seqs: list[int], attn, pos) -> OutputRows | None:
+        """Rows ``rows`` of sequences ``seqs`` (the last row of each sampling sequence;
+        with drafts, the last 1 + k), as one query each over its causal prefix."""
         if len(rows) == attn.num_seqs and attn.max_query_len == 1:
             return None
         sel = self._tensor(seqs, torch.long)
-        lens = [attn.seq_lens_cpu[b] for b in seqs]
+        lens = [pos[r] + 1 for r in rows]
         meta = AttentionMetadata(
             query_start_loc=self._tensor(list(range(len(seqs) + 1)), torch.int32),
-            seq_lens=attn.seq_lens.index_select(0, sel),
+            # Several rows of one sequence (drafts) end at different positions.
+            seq_lens=self._tensor(lens, torch.int32)
+            if len(rows) > len(set(seqs))
+            else attn.seq_lens.index_select(0, sel),
             block_tables=attn.block_tables.index_select(0, sel),
             slot_mapping=self._tensor([], torch.long),
             max_query_len=1 if seqs else 0,
@@ -134,15 +169,26 @@ class ModelRunner:
             seq_lens_cpu=seqlens,
         )
 
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the out rows, and the aux rows of every row when asked for."""
+        embeds = self.model.embed(step.input_ids)
+        for row, emb in step.mm_rows:
+            embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
+        if not self.aux_layers:
+            return self.model(step.positions, embeds, self.kv.layers, step.attn,
+                              step.out_rows), None  # fmt: skip
+        hidden, aux = self.model(step.positions, embeds, self.kv.layers, step.attn, None,
+                                 self.aux_layers)  # fmt: skip
+        if step.out_rows is not None:
+            hidden = hidden.index_select(0, step.out_rows.rows)
+        return hidden, aux
+
     @torch.inference_mode()
     def execute(self, scheduled) -> StepOutput:
         if not scheduled:
             return StepOutput({}, {})
         step = self.prepare(scheduled)
-        embeds = self.model.embed(step.input_ids)
-        for row, emb in step.mm_rows:
-            embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
-        hidden = self.model(step.positions, embeds, self.kv.layers, step.attn, step.out_rows)
+        hidden, _ = self._forward(step)
         if not step.sampling:
             return StepOutput({}, {})
         ids = [r.request_id for r in step.sampling]
@@ -155,6 +201,53 @@ class ModelRunner:
         sampled = dict(zip(ids, tokens.tolist(), strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, lps, strict=True) if lp is not None}
         return StepOutput(sampled, logprobs)
+
+    @torch.inference_mode()
+    def execute_verify(self, scheduled) -> VerifyOutput:
+        """A step whose requests may carry drafts (spec_verify.py): each sampling request
+        emits its accepted drafts and the target's token; aux rows of the accepted
+        positions are kept for the proposer."""
+        out = VerifyOutput({}, {})
+        if not scheduled:
+            return out
+        step = self.prepare(scheduled)
+        hidden, aux = self._forward(step)
+        if step.sampling:
+            tokens, lps = self._sample_rows(step, hidden)
+            i = 0
+            for req, drafts in zip(step.sampling, step.drafts, strict=True):
+                rows, lp = tokens[i : i + len(drafts) + 1], lps[i : i + len(drafts) + 1]
+                n = num_accepted(drafts, rows) + 1
+                out.tokens[req.request_id] = rows[:n]
+                if lp[0] is not None:
+                    out.logprobs[req.request_id] = lp[:n]
+                i += len(drafts) + 1
+        if aux is not None:
+            self._keep_aux(step, aux, out.tokens)
+        return out
+
+    def _sample_rows(self, step: StepInputs, hidden: torch.Tensor):
+        """Token (and logprobs or None) of every out row: row i of a request as a plain
+        step at its position would draw it."""
+        if all(plain_greedy(r) for r in step.sampling):
+            return self.model.greedy_tokens(hidden).tolist(), [None] * hidden.shape[0]
+        rows, seeds = [], []
+        for req, drafts in zip(step.sampling, step.drafts, strict=True):
+            rows.extend(verify_rows(req, drafts))
+            seeds.extend([self.seeds.get(req.request_id, 0)] * (len(drafts) + 1))
+        tokens, lps = sample(self.model.compute_logits(hidden), rows, seeds, self.backend)
+        return tokens.tolist(), lps
+
+    def _keep_aux(self, step: StepInputs, aux: torch.Tensor, emitted: dict[str, list[int]]):
+        """Queue each request's aux rows of positions whose tokens are now known: all of
+        a prefill chunk; of a verification, the last known token and accepted drafts."""
+        sampled_drafts = {r.request_id: len(d) for r, d in zip(step.sampling, step.drafts,
+                                                                 strict=True)}  # fmt: skip
+        for rid, row0, n in step.spans:
+            k = sampled_drafts.get(rid, 0)
+            keep = n - k + (len(emitted.get(rid, [])) - 1 if rid in emitted else 0)
+            if keep > 0:
+                self.aux_rows.setdefault(rid, []).append(aux[row0 : row0 + keep])
 
     @torch.inference_mode()
     def execute_burst(self, scheduled, steps: int) -> dict[str, list[int]]:

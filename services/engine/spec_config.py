@@ -75,6 +75,10 @@ class SpeculativeConfig:
             raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
         return cls(**value)
 
+    def __str__(self) -> str:
+        # JSON, so that `epd up` hands it to its services as EPD_SPECULATIVE_CONFIG.
+        return self.to_json()
+
     def to_json(self) -> str:
         """The JSON form ``parse`` reads (what ``epd up`` passes to its services)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

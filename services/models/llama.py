@@ -131,17 +131,30 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack: DecoderStack | None = None  # built on first use, after loading
 
-    def forward(self, positions, h, kv_caches, meta, rope, keep: OutputRows | None = None):
-        """Hidden states of every row, or of the ``keep`` rows only (see ``OutputRows``)."""
-        if keep is None and meta.is_decode_only:
+    def forward(self, positions, h, kv_caches, meta, rope, keep: OutputRows | None = None,
+                aux_layers: tuple[int, ...] = ()):  # fmt: skip
+        """Hidden states of every row, or of the ``keep`` rows only (see ``OutputRows``).
+
+        With ``aux_layers`` (speculative decoding's draft heads, never with ``keep``):
+        (hidden, aux) where aux [T, len(aux_layers) * H] holds the outputs of those
+        layers (residual stream after the layer), concatenated in the order given.
+        """
+        if aux_layers and keep is not None:
+            raise ValueError("aux hidden states are captured for every row (no keep)")
+        if keep is None and meta.is_decode_only and not aux_layers:
             out = self.backend.decode_stack(self._stack(rope), positions, h, kv_caches, meta)
             if out is not None:
                 return out
         residual = None
         last = len(self.layers) - 1
+        captured: dict[int, torch.Tensor] = {}
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(positions, h, residual, kv, meta, rope, keep if i == last else None)
+            if i in aux_layers:  # the layer's output: its MLP output added to the residual
+                captured[i] = h + residual
         h, _ = self.backend.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+        if aux_layers:
+            return h, torch.cat([captured[i] for i in aux_layers], dim=-1)
         return h
 
     def _stack(self, rope: torch.Tensor) -> DecoderStack:
@@ -183,6 +196,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # forward can return the outputs of chosen layers (speculative decoding's draft heads).
+    supports_aux_hidden = True
 
     def __init__(self, cfg, backend: Backend, max_positions: int):
         super().__init__()
@@ -199,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)  # no module-call overhead
 
-    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None) -> torch.Tensor:
-        return self.model(positions, inputs_embeds, kv_caches, meta, self.rope, keep)
+    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None, aux_layers=()):
+        """Hidden states (see DecoderModel.forward; with ``aux_layers``, (hidden, aux))."""
+        return self.model(positions, inputs_embeds, kv_caches, meta, self.rope, keep, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.backend.linear(hidden, self._head()).float()
