@@ -30,6 +30,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, help="auto | cpu | torch | triton")
     g.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per scheduling round (default 1)")  # fmt: skip
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 3} or {"method": "eagle3", "model": DIR, '
+                        '"num_speculative_tokens": 3[, "parallel_drafting": true]} '
+                        "(docs/spec-decode.md)")  # fmt: skip
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -127,7 +132,7 @@ def engine_config(args):
 
     keys = ("dtype", "device", "load_format", "max_model_len", "block_size",
             "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend",
-            "num_scheduler_steps")  # fmt: skip
+            "num_scheduler_steps", "speculative_config")  # fmt: skip
     models = getattr(args, "model", None) or []
     several = getattr(args, "command", None) == "up" or getattr(args, "role", None) == "gateway"
     if len(models) > 1 and not several:

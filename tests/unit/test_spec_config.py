@@ -61,3 +61,23 @@ def test_eagle3_head_dir_accepted(tmp_path) -> None:
     cfg = SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 5,
                                    "model": str(tmp_path), "parallel_drafting": True})  # fmt: skip
     assert cfg.parallel_drafting and cfg.model == str(tmp_path)
+
+
+def test_cli_flag_and_epd_up_environment(monkeypatch) -> None:
+    """--speculative-config for serve decode|all and up; up hands it to its services
+    as EPD_SPECULATIVE_CONFIG (JSON), which they parse back."""
+    from services.cli import build_parser, engine_config
+    from services.stack import _env
+
+    raw = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
+    for argv in (["serve", "decode"], ["serve", "all"], ["up"]):
+        cfg = engine_config(build_parser().parse_args([*argv, "--speculative-config", raw]))
+        assert cfg.speculative_config == SpeculativeConfig(
+            method="ngram", num_speculative_tokens=3, prompt_lookup_min=2
+        )
+    monkeypatch.setenv("EPD_SPECULATIVE_CONFIG", _env(cfg)["EPD_SPECULATIVE_CONFIG"])
+    child = engine_config(build_parser().parse_args(["serve", "decode"]))
+    assert child.speculative_config == cfg.speculative_config
+    bad = build_parser().parse_args(["up", "--speculative-config", raw.replace("3", "0")])
+    with pytest.raises(ValueError, match="1..16"):
+        engine_config(bad)
