@@ -347,20 +347,22 @@ class CachedAnswer(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[_Union[CachedChoice, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CacheQuery(_message.Message):
-    __slots__ = ("fingerprint", "exact_key", "text", "max_tokens", "tenant", "exact_only")
+    __slots__ = ("fingerprint", "exact_key", "text", "max_tokens", "tenant", "exact_only", "vector")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXACT_KEY_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EXACT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     exact_key: str
     text: str
     max_tokens: int
     tenant: str
     exact_only: bool
-    def __init__(self, fingerprint: _Optional[str] = ..., exact_key: _Optional[str] = ..., text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., exact_only: _Optional[bool] = ...) -> None: ...
+    vector: bytes
+    def __init__(self, fingerprint: _Optional[str] = ..., exact_key: _Optional[str] = ..., text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., exact_only: _Optional[bool] = ..., vector: _Optional[bytes] = ...) -> None: ...
 
 class CacheLookupReply(_message.Message):
     __slots__ = ("hit", "tier", "similarity", "answer", "error")
