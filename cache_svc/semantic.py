@@ -20,7 +20,7 @@ import numpy as np
 
 from cache_svc.answers import AnswerStore, Change
 from cache_svc.config import SemanticCacheConfig
-from cache_svc.embedder import SentenceBatcher
+from cache_svc.embedder import DIM, SentenceBatcher
 from cache_svc.guard import conflict, facts
 from cache_svc.index import Graph, SemanticIndex
 from protos.epd_pb import bus_pb2
@@ -49,6 +49,18 @@ def check_query(q: bus_pb2.CacheQuery) -> None:
             raise ValueError(f"{name} must be 64 lowercase hex characters")
     if len(q.text) > _MAX_TEXT or len(q.tenant) > 256 or q.max_tokens < 0:
         raise ValueError("text, tenant or max_tokens out of bounds")
+    if q.vector:
+        vec = np.frombuffer(q.vector, dtype="<f4") if len(q.vector) == 4 * DIM else None
+        if vec is None or not np.isfinite(vec).all() or abs(float(vec @ vec) - 1.0) > 1e-3:
+            raise ValueError(f"vector must be {DIM} finite float32 values of unit length")
+
+
+async def embedding_of(q: bus_pb2.CacheQuery, embed: SentenceBatcher) -> np.ndarray:
+    """The query text's vector: the one the gateway sent (its router already asked for
+    it; check_query validated it), else one embedding pass here."""
+    if q.vector:
+        return np.frombuffer(q.vector, dtype="<f4").astype(np.float32)
+    return await embed.embed(q.text)
 
 
 def check_answer(answer: bus_pb2.CachedAnswer) -> None:
@@ -166,7 +178,7 @@ class SemanticCache:
                 return bus_pb2.CacheLookupReply(hit=True, tier="exact", similarity=1.0, answer=hit)
         if not q.text or q.exact_only:
             return bus_pb2.CacheLookupReply()
-        vec = await self.embed.embed(q.text)
+        vec = await embedding_of(q, self.embed)
         found = self.index.search(q.fingerprint, vec, _CANDIDATES, self.config.cache_threshold)
         entries = await self.store.entries([k for k, _ in found]) if found else []
         mine = facts(q.text)
@@ -196,7 +208,7 @@ class SemanticCache:
         try:
             check_query(q)
             check_answer(req.answer)
-            vec = await self.embed.embed(q.text) if q.text else np.zeros(384, np.float32)
+            vec = await embedding_of(q, self.embed) if q.text else np.zeros(DIM, np.float32)
             key = await self.store.put(q.fingerprint, q.exact_key, q.text, vec,
                                        req.answer.SerializeToString(), q.tenant, c.cache_ttl_s)  # fmt: skip
             if q.text:
