@@ -124,8 +124,9 @@ class ModelSet:
         the request on it (GatewayCore.prepare's keywords). The semantic router, when
         hooked in, sees the request first (it may redact it, route it, or refuse it)."""
         headers: dict[str, str] = {}
+        vector = b""
         if self.router is not None:
-            kwargs, headers = await self.router.apply(kwargs)
+            kwargs, headers, vector = await self.router.apply(kwargs)
         request = ModelRequest(kwargs.get("messages"), kwargs.get("prompt"),
                                kwargs.get("prompt_token_ids"), list(kwargs.get("images") or ()),
                                kwargs.get("tenant", ""), kwargs.get("session_key", ""))  # fmt: skip
@@ -135,6 +136,7 @@ class ModelSet:
         kwargs["model"] = core.info.model_id
         prep = await core.prepare(**kwargs)
         prep.route_headers = {**headers, "x-epd-model": core.info.model_id}
+        prep.text_vector = vector
         return core, prep
 
     def check_capacity(self) -> None:

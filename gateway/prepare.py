@@ -53,6 +53,9 @@ class PreparedRequest:
     # What the semantic router did, as response headers (x-epd-model, x-epd-route,
     # x-epd-guard; gateway/semantic_router/hook.py).
     route_headers: dict[str, str] = field(default_factory=dict)
+    # The router's embedding of the last user message (float32 bytes): the semantic
+    # cache uses it instead of embedding the same text again. Empty: none.
+    text_vector: bytes = b""
 
 
 # The x-epd-cache request header: default; no-cache (do not read the semantic cache, store

@@ -108,7 +108,8 @@ class ResponseCache:
                             "params": keyed, "tenant": prep.tenant})  # fmt: skip
         exact = _sha({"fingerprint": fingerprint, "prompt": prep.prompt_token_ids})
         return bus_pb2.CacheQuery(fingerprint=fingerprint, exact_key=exact, text=text,
-                                  max_tokens=sp.max_tokens or 0, tenant=prep.tenant)  # fmt: skip
+                                  max_tokens=sp.max_tokens or 0, tenant=prep.tenant,
+                                  vector=prep.text_vector if text else b"")  # fmt: skip
 
     async def lookup(self, prep: PreparedRequest, query_of: bus_pb2.CacheQuery,
                      exact_only: bool) -> bus_pb2.CachedAnswer | None:  # fmt: skip

@@ -28,12 +28,12 @@ class RouterHook:
             return None
         return state.config.route(state.config.default_route).model
 
-    async def apply(self, kwargs: dict) -> tuple[dict, dict[str, str]]:
-        """(the keywords for ``GatewayCore.prepare``, headers). GuardBlocked (400) when a
-        guard refuses the request."""
+    async def apply(self, kwargs: dict) -> tuple[dict, dict[str, str], bytes]:
+        """(the keywords for ``GatewayCore.prepare``, headers, the last user message's
+        embedding as float32 bytes or b""). GuardBlocked (400) when a guard refuses it."""
         model = kwargs.get("model") or ""
         if not self.router.handles(model):
-            return kwargs, {}
+            return kwargs, {}, b""
         images = len(kwargs.get("images") or ())
         decision = await self.router.decide(model, kwargs.get("messages"), kwargs.get("prompt"),
                                             images=images)  # fmt: skip
@@ -44,7 +44,8 @@ class RouterHook:
                 out["messages"] = decision.guard.messages
             if decision.guard.prompt is not None:
                 out["prompt"] = decision.guard.prompt
-        return out, decision.headers()
+        vector = b"" if decision.vector is None else decision.vector.astype("<f4").tobytes()
+        return out, decision.headers(), vector
 
 
 def embedder_for(bus, local_cache) -> Embedder | None:

@@ -52,6 +52,9 @@ class Decision:
     signals: list[str] = field(default_factory=list)  # what chose the route
     guard: GuardOutcome = field(default_factory=GuardOutcome)
     embedding: str = "skipped"  # "ok", "unavailable" or "skipped"
+    # The last user message's vector (after any redaction), when it was embedded: the
+    # semantic cache reuses it instead of embedding the same text again.
+    vector: np.ndarray | None = None
     seconds: float = 0.0
     at: float = field(default_factory=time.time)
 
@@ -132,7 +135,7 @@ class SemanticRouter:
             decision.embedding = "unavailable"
             ROUTER_EMBEDDINGS.labels("unavailable").inc()
             return None
-        decision.embedding = "ok"
+        decision.embedding, decision.vector = "ok", vec
         ROUTER_EMBEDDINGS.labels("ok").inc()
         return vec
 

@@ -118,11 +118,15 @@ async def test_hook_redacts_and_routes_the_request():
     hook = RouterHook(await router())
     kwargs = {"model": "auto", "messages": user("python: my card is 4111 1111 1111 1111"),
               "params": {}}  # fmt: skip
-    out, headers = await hook.apply(kwargs)
+    out, headers, vector = await hook.apply(kwargs)
     assert out["model"] == "coder" and headers["x-epd-guard"] == "redact:pii"
     assert out["messages"][0]["content"][0]["text"] == "python: my card is [CARD]"
     assert kwargs["messages"][0]["content"][0]["text"].endswith("1111")  # caller's copy intact
     assert hook.resolve_name("auto") == "talker" and hook.resolve_name("nope") is None
+    # the vector of the (redacted) last user message, for the semantic cache to reuse
+    assert np.frombuffer(vector, "<f4").shape == (8,)
+    _, _, none = await hook.apply({"model": "talker", "messages": user("hi"), "params": {}})
+    assert none == b""  # a concrete model with no attack set: nothing was embedded
 
 
 async def test_reload_swaps_valid_files_and_keeps_the_old_on_errors(tmp_path):
