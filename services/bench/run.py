@@ -101,8 +101,9 @@ def _progress(args: argparse.Namespace, total: int | None, label: str) -> Any:
     from tqdm import tqdm
 
     off = args.no_progress or not sys.stderr.isatty()
-    unit = "req" if total is not None else "req (until --duration)"
-    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, leave=False, disable=off)
+    if total is None:
+        label += f", for {args.duration:g} s"
+    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False, disable=off)
 
 
 async def measure(args: argparse.Namespace, send: Callable[[BenchRequest], Any],
