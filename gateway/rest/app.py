@@ -127,10 +127,11 @@ def _endpoint(model: type[BaseModel], handler: Handler) -> Callable:
             body = await _parse(request, model)
             return await handler(body, Call.of(request, _headers(request)))
         except BodyTooLarge as e:
-            failure = RequestFailure("PAYLOAD_TOO_LARGE", str(e))
+            failure, extra = RequestFailure("PAYLOAD_TOO_LARGE", str(e)), {}
         except Exception as e:  # errors are values at the edge
-            failure = classify(e)
-        return error_response(failure, _headers(request))
+            # A guard's refusal says so in headers too (x-epd-guard: block:jailbreak).
+            failure, extra = classify(e), getattr(e, "headers", {})
+        return error_response(failure, {**_headers(request), **extra})
 
     return run
 

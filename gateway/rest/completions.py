@@ -62,9 +62,8 @@ async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Re
         if core is None:
             core, prep = await models.prepare(**kwargs)
             model = core.info.model_id
-        else:
-            core.check_capacity()
-            prep = await core.prepare(**{**kwargs, "model": model})
+        else:  # the same model, and the semantic router's guards see every prompt
+            core, prep = await models.prepare(**{**kwargs, "model": model})
         preps.append(prep)
     echo = None
     if req.echo:

@@ -41,6 +41,12 @@ class GuardBlocked(ValueError):
         super().__init__(decision.guard.reason)
         self.decision = decision
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The 400's headers: what was asked for and which guard refused it."""
+        return {"x-epd-guard": self.decision.guard.header,
+                "x-epd-route": self.decision.route or "none"}  # fmt: skip
+
 
 @dataclass
 class Decision:
