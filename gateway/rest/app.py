@@ -35,6 +35,7 @@ from gateway.rest.protocol import (
     TokenizeRequest,
 )
 from gateway.rest.responses import error_response
+from gateway.semantic_router.router import GuardBlocked
 
 VERSION = "0.1.0"
 _BODIES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
@@ -130,7 +131,7 @@ def _endpoint(model: type[BaseModel], handler: Handler) -> Callable:
             failure, extra = RequestFailure("PAYLOAD_TOO_LARGE", str(e)), {}
         except Exception as e:  # errors are values at the edge
             # A guard's refusal says so in headers too (x-epd-guard: block:jailbreak).
-            failure, extra = classify(e), getattr(e, "headers", {})
+            failure, extra = classify(e), e.headers if isinstance(e, GuardBlocked) else {}
         return error_response(failure, {**_headers(request), **extra})
 
     return run
