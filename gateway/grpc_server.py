@@ -15,6 +15,7 @@ from gateway.core import GatewayCore
 from gateway.errors import classify
 from gateway.models import ModelSet
 from gateway.prepare import PreparedRequest
+from gateway.semantic_router.router import GuardBlocked
 from gateway.stream import Delta, OutputStream
 from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pb_grpc
@@ -66,6 +67,8 @@ def _logprobs(tokenizer, delta_lps) -> list[pb.TokenLogprob]:
 
 async def _abort_with_status(context, request_id: str, e: Exception) -> None:
     failure = classify(e, request_id)
+    if isinstance(e, GuardBlocked):  # the refusal says which guard, as over REST
+        context.set_trailing_metadata(tuple(e.headers.items()))
     await context.abort(getattr(grpc.StatusCode, failure.code), failure.message)
 
 
