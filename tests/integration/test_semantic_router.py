@@ -187,6 +187,7 @@ async def test_grpc_metadata_says_the_route(fleet):
                 )
             )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(e.value.trailing_metadata())["x-epd-guard"] == "block:jailbreak"
 
 
 async def test_embed_endpoint_matches_the_model(fleet):
