@@ -229,7 +229,7 @@ class ChunkAck(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., acked_seq: _Optional[int] = ..., credit: _Optional[int] = ..., complete: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "gateway_id", "token_ids", "num_prompt_tokens", "first_token_id", "first_logprobs", "sampling", "kv_transfer_id", "deadline_unix_ms", "eos_token_ids", "max_model_len", "image_spans")
+    __slots__ = ("request_id", "gateway_id", "token_ids", "num_prompt_tokens", "first_token_id", "first_logprobs", "sampling", "kv_transfer_id", "deadline_unix_ms", "eos_token_ids", "max_model_len", "image_spans", "aux_hidden")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class DecodeRequest(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SPANS_FIELD_NUMBER: _ClassVar[int]
+    AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     gateway_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -254,7 +255,8 @@ class DecodeRequest(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_model_len: int
     image_spans: _containers.RepeatedCompositeFieldContainer[ImageSpan]
-    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_id: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ...) -> None: ...
+    aux_hidden: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_id: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., aux_hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DecodeReply(_message.Message):
     __slots__ = ("request_id", "error")
