@@ -65,9 +65,9 @@ class RouterState:
 
     def wants_vectors(self) -> bool:
         """Whether the config uses embeddings at all."""
-        return any(r.examples for r in self.config.routes) or self._jailbreak_similarity()
+        return any(r.examples for r in self.config.routes) or self.jailbreak_similarity()
 
-    def _jailbreak_similarity(self) -> bool:
+    def jailbreak_similarity(self) -> bool:
         return self.config.guards.jailbreak.action != "allow"
 
 
@@ -90,7 +90,7 @@ async def compile_state(config: RouterConfig, embedder: Embedder | None) -> Rout
 async def add_vectors(state: RouterState, embedder: Embedder) -> bool:
     """Embed the examples and attack prompts into ``state``; False (logged) on failure."""
     labelled = [(r.name, ex) for r in state.config.routes for ex in r.examples]
-    attacks = attack_prompts(state.config) if state._jailbreak_similarity() else []
+    attacks = attack_prompts(state.config) if state.jailbreak_similarity() else []
     texts = [ex for _, ex in labelled] + attacks
     try:
         vectors = await embedder.embed(texts, _LOAD_TIMEOUT_S)
