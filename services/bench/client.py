@@ -107,6 +107,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                        clock: Clock = time.perf_counter) -> RequestRecord:  # fmt: skip
     """POST ``body`` to ``url`` and stream the answer; failures become ``record.error``."""
     rec = RequestRecord(send_s=clock())
+    done_s = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             rec.cache = resp.headers.get(CACHE_HEADER)
@@ -114,15 +115,17 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                 await resp.aread()
                 rec.error = f"http_{resp.status_code}"
             else:
+                # Read to the end of the body even after [DONE]: a response left unread
+                # closes its connection, and every request would then pay a new connect.
                 async for line in resp.aiter_lines():
                     event = parse_sse_line(line)
                     if event == DONE:
-                        break
-                    if isinstance(event, dict):
+                        done_s = clock()
+                    elif isinstance(event, dict) and done_s is None:
                         _observe(rec, event, clock())
     except Exception as e:  # noqa: BLE001 - every failure is a counted kind, never a crash
         rec.error = type(e).__name__
-    rec.end_s = clock()
+    rec.end_s = clock() if done_s is None else done_s
     counted = sum(rec.chunk_tokens)
     rec.output_tokens = max(rec.output_tokens, counted)
     if rec.error is None and counted == 0:

@@ -163,8 +163,10 @@ class FakeCache:
         self.answered: set[str] = set()
         self.images: set[str] = set()
         self.image_slots = self.image_repeats = 0
+        self.connections: set[tuple[str, int]] = set()  # client (host, port) pairs seen
 
     async def chat(self, request: Request) -> Response:
+        self.connections.add((request.client.host, request.client.port))
         body = await request.json()
         content = body["messages"][-1]["content"]
         if isinstance(content, list):
@@ -210,10 +212,11 @@ def _run(base_url: str, tmp_path, *flags: str) -> dict:
 
 @pytest.mark.slow
 def test_paraphrase_hits_and_misses_with_the_cache_on_and_bypassed(fake_cache, tmp_path) -> None:
-    url, _ = fake_cache
+    url, fake = fake_cache
     flags = ("--dataset", "paraphrase", "--num-prompts", "20", "--max-concurrency", "1",
              "--random-output-len", "4", "--paraphrase-mix", "repeat:0.5,paraphrase:0.3,negative:0.2")  # fmt: skip
     on = _run(url, tmp_path, *flags)["summary"]
+    assert len(fake.connections) == 1  # one at a time: every request on one kept-alive connection
     exp = on["expected_cache"]
     # Exact matching: the 5 repeats hit; paraphrases are missed hits; no false hit.
     assert exp["kinds"]["repeat"]["hits"] == exp["kinds"]["repeat"]["requests"] == 5
