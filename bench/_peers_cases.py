@@ -29,8 +29,9 @@ def random_case(concurrency: int, prompts: int) -> Case:
 
 def random_cases(quick: bool) -> list[Case]:
     """Concurrency 1, 8 and 64 (requests: enough for a few batches at each)."""
-    scale = 4 if quick else 1
-    return [random_case(1, 12 // scale), random_case(8, 48 // scale), random_case(64, 192 // scale)]
+    if quick:
+        return [random_case(1, 3), random_case(8, 12), random_case(64, 48)]
+    return [random_case(1, 8), random_case(8, 32), random_case(64, 64)]
 
 
 def paraphrase_cases(quick: bool) -> list[Case]:

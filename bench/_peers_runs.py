@@ -78,11 +78,11 @@ def table(case: Case, medians: dict[str, dict[str, float]], reference: str) -> s
     so a ratio above 1 always means ``reference`` is better."""
     lines = [f"## {case.label}   ({' '.join(case.flags)})"]
     lines.append(
-        f"{'system':<14}" + "".join(f"{lab:>15}" for _, lab, _ in FIGURES) + f"{'failed':>8}"
+        f"{'system':<20}" + "".join(f"{lab:>15}" for _, lab, _ in FIGURES) + f"{'failed':>8}"
     )
     for name, m in medians.items():
         lines.append(
-            f"{name:<14}"
+            f"{name:<20}"
             + "".join(f"{_fmt(m[k]):>15}" for k, _, _ in FIGURES)
             + f"{m['failed']:>8}"
         )
@@ -92,7 +92,7 @@ def table(case: Case, medians: dict[str, dict[str, float]], reference: str) -> s
             continue
         ratios = [ratio(ref[k], m[k], hib) for k, _, hib in FIGURES]
         lines.append(
-            f"{reference + '/' + name:<14}" + "".join(f"{_fmt_ratio(r):>15}" for r in ratios)
+            f"{reference + '/' + name:<20}" + "".join(f"{_fmt_ratio(r):>15}" for r in ratios)
         )
     return "\n".join(lines)
 

@@ -148,11 +148,15 @@ def medians_of(docs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, An
 
 def run_one_group(group: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """Start the group's servers, run its cases, stop them; None when it cannot run here."""
-    cases = cases_for(group, args.quick)
+    cases = [
+        c
+        for c in cases_for(group, args.quick)
+        if not args.cases or any(k in c.label for k in args.cases)
+    ]
     if not cases:
-        log.warning("%s: skipped (epd bench serve has no dataset for it yet)", group)
+        log.warning("%s: no case to run (--cases matched none)", group)
         return None
-    systems = systems_for(group, args)
+    systems = [s for s in systems_for(group, args) if not args.systems or s.name in args.systems]
     cpus = "0" if args.threads == 1 else "0-1"
     running: list[servers.Running] = []
     try:
@@ -176,10 +180,10 @@ def run_one_group(group: str, args: argparse.Namespace) -> dict[str, Any] | None
 
 def run_tools_group(args: argparse.Namespace) -> dict[str, Any]:
     """guidellm, aiperf and ``epd bench serve`` in turn against ``epd up --aggregated``,
-    same workload (128 -> 64 tokens, concurrency 8, 48 requests), every round."""
+    same workload (128 -> 64 tokens, concurrency 8, 24 requests), every round."""
     text = ckpt.text_checkpoint(args.cache_dir)
     system = servers.epd_system("epd-agg", text, args.threads, True, ["--no-response-cache"])
-    work = tools.Workload(128, 64, 8, 12 if args.quick else 48)
+    work = tools.Workload(128, 64, 8, 12 if args.quick else 24)
     case = random_case(8, work.requests)
     out_dir = args.logdir / "tools"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -223,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS))
     p.add_argument("--threads", type=int, choices=(1, 2), default=1,
                    help="server threads: 1 (core 0; client on core 1) or 2 (both cores)")  # fmt: skip
+    p.add_argument("--systems", nargs="+", default=None,
+                   help="only these systems (epd-agg epd-disagg vllm llama.cpp ...)")  # fmt: skip
+    p.add_argument("--cases", nargs="+", default=None,
+                   help="only cases whose label contains one of these, e.g. c64 '4 img'")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds of every case (2)")
     p.add_argument("--quick", action="store_true", help="few requests, 1 round (smoke)")
     p.add_argument("--peers-dir", type=Path, default=Path("/tmp/peers"), help="peer venvs")
