@@ -38,9 +38,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -176,7 +175,9 @@ class Eagle3Head(nn.Module):
         table = self._rope.to(positions.device)[positions]  # [B, T, d]: cos half, sin half
         cos, sin = table.chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+        if dtype != cos.dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     @classmethod
     def from_pretrained(
