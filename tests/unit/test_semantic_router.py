@@ -5,7 +5,7 @@ headers; the reloader swaps in a valid new file, keeps the old config on a bad o
 fetches the example embeddings once the cache service answers.
 
 Vectors here are chosen, not learnt (the real model is in test_guards_jailbreak.py and
-tests/integration/test_semantic_router_embed.py): a text's vector is the axis of its first
+tests/integration/test_semantic_router_fleet.py): a text's vector is the axis of its first
 word, so which route is nearest is the test's decision."""
 
 from __future__ import annotations
