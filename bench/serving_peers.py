@@ -1,8 +1,13 @@
 """epd-serve's OpenAI server side by side with ``vllm serve`` and llama.cpp's server.
 
-    python bench/serving_peers.py                  # every group, 2 rounds (~20-25 min)
+    python bench/serving_peers.py                  # every group, 2 rounds
     python bench/serving_peers.py --groups random  # the peers comparison only
     python bench/serving_peers.py --quick          # 1 round, few requests (smoke)
+
+Run time depends on the machine's load: on the shared 2-core machine (load 10-28) the
+``random`` group's 2 rounds took over 40 minutes (vLLM alone 4-8 minutes to start), the
+``mm`` group's round ~15 minutes; ``--quick``, ``--rounds 1``, ``--systems`` and
+``--cases`` cut it down.
 
 Same checkpoint (``_peers_checkpoint.py``: the random Llama of ../shared/peers.md, and for
 images the demo LLaVA with a ViT-B/16-sized tower), same prompt token ids, same threads.
@@ -14,6 +19,8 @@ round, and figures are the medians over rounds. Load is ``epd bench serve``'s li
 
 - ``random``: epd-serve aggregated (``epd up --aggregated``) and disaggregated (``epd up``),
   vLLM, llama.cpp; 128 prompt ids -> 64 tokens at concurrency 1, 8 and 64;
+- ``tools``: guidellm, aiperf and ``epd bench serve`` in turn against ``epd up
+  --aggregated``, same workload (``_peers_tools.py``);
 - ``paraphrase``: ``epd up --aggregated`` on the demo model, semantic cache on and off;
 - ``mm``: disaggregated against aggregated on the ViT-B/16-sized LLaVA, 0 % and 80 % image
   reuse, 1 and 4 images per request.
@@ -29,6 +36,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -100,9 +108,10 @@ def start_all(systems: list[servers.System], cpus: str, logdir: Path,
             running.remove(r)
 
 
-async def run_group(cases: list[Case], running: list[servers.Running],
-                    rounds: int) -> dict[str, dict[str, list[dict[str, Any]]]]:  # fmt: skip
-    """Every round, every case, every system (order rotating): case -> system -> documents."""
+async def run_group(cases: list[Case], running: list[servers.Running], rounds: int,
+                    partial: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:  # fmt: skip
+    """Every round, every case, every system (order rotating): case -> system -> documents,
+    also written to ``partial`` after each run (a run cut short keeps what it measured)."""
     docs: dict[str, dict[str, list[dict[str, Any]]]] = {c.label: {} for c in cases}
     for rnd in range(rounds):
         for ci, case in enumerate(cases):
@@ -116,6 +125,7 @@ async def run_group(cases: list[Case], running: list[servers.Running],
                 log.info("round %d %s %s: %.0f s, %s", rnd, case.label, r.system.name,
                          time.monotonic() - t0, _brief(doc["summary"]))  # fmt: skip
                 docs[case.label].setdefault(r.system.name, []).append(doc)
+                partial.write_text(json.dumps(docs, default=str) + "\n")
     return docs
 
 
@@ -162,7 +172,8 @@ def run_one_group(group: str, args: argparse.Namespace) -> dict[str, Any] | None
     try:
         start_all(systems, cpus, args.logdir, running)
         same = asyncio.run(same_tokens(running)) if group == "random" else None
-        docs = asyncio.run(run_group(cases, running, args.rounds))
+        partial = args.result_json.with_suffix(f".{group}.partial.json")
+        docs = asyncio.run(run_group(cases, running, args.rounds, partial))
     finally:
         for r in running:
             r.stop()
@@ -214,6 +225,11 @@ def run_tools_group(args: argparse.Namespace) -> dict[str, Any]:
     return {"commands": commands, "medians": {case.label: medians}, "rows": rows}
 
 
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (``timeout``, a CI limit) unwinds like Ctrl-C, so ``finally`` stops the servers."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _pin_client(threads: int) -> None:
     """Keep this client off the servers' core (core 1 when they have core 0)."""
     cpus = os.sched_getaffinity(0)
@@ -248,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
     _pin_client(args.threads)
     result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()},
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
