@@ -11,7 +11,7 @@ import logging
 
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
-from services.bus.codec import dtype_name
+from services.bus.codec import dtype_name, tensor_from_proto
 from services.bus.deadline import remaining_s, timeout_for
 from services.bus.errors import BusError
 from services.config import EngineConfig, ServiceConfig
@@ -118,9 +118,10 @@ class DecodeService(EngineService):
             first_lp = logprobs_from_proto(req.first_token_id, req.first_logprobs)
         self.routes[rid] = req
         try:
+            aux = tensor_from_proto(req.aux_hidden) if req.HasField("aux_hidden") else None
             await self.engine.call(lambda: llm.import_request(
                 rid, list(req.token_ids), req.num_prompt_tokens, req.first_token_id, params, kv,
-                first_lp,
+                first_lp, aux,
             ))  # fmt: skip
         except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)

@@ -9,6 +9,7 @@ import uuid
 
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
+from services.bus.codec import tensor_to_proto
 from services.bus.connection import Bus
 from services.bus.deadline import timeout_for
 from services.bus.errors import BusError
@@ -56,11 +57,13 @@ class HandOff:
         self.instance_id = instance_id
         self.timeout_s = timeout_s
 
-    async def hand_over(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
-        """Ship the KV and the DecodeRequest; on failure the gateway gets a clear error."""
+    async def hand_over(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv,
+                        aux_hidden=None) -> None:  # fmt: skip
+        """Ship the KV and the DecodeRequest (with a draft head's hidden rows, if any); on
+        failure the gateway gets a clear error."""
         bind_request(req.request_id)  # this task's log lines are about that request
         try:
-            await self._send(req, upd, kv)
+            await self._send(req, upd, kv, aux_hidden)
         except (BusError, HandOffError, ValueError, OSError) as e:
             code = e.err.code if isinstance(e, HandOffError) else bus_pb2.ERROR_CODE_UNAVAILABLE
             log.warning(
@@ -73,7 +76,8 @@ class HandOff:
             batch = bus_pb2.TokenBatch(instance_id=self.instance_id, updates=[fail])
             await self.bus.publish(subjects.out(req.gateway_id), batch)
 
-    async def _send(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv) -> None:
+    async def _send(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv,
+                    aux_hidden=None) -> None:  # fmt: skip
         """KV and DecodeRequest go out together: decode waits for the transfer itself, so
         the hand-off costs one transfer, not a transfer plus a round trip. A decode
         instance without room for the blocks refuses before it takes the transfer: the
@@ -81,7 +85,7 @@ class HandOff:
         tid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         timeout = timeout_for(req.deadline_unix_ms, "KV transfer", self.timeout_s)
         adopt = asyncio.create_task(self.bus.request(
-            subjects.decode(self.model_fingerprint, req.decode_instance_id), self._decode_request(req, upd, tid),
+            subjects.decode(self.model_fingerprint, req.decode_instance_id), self._decode_request(req, upd, tid, aux_hidden),
             bus_pb2.DecodeReply, timeout,
         ))  # fmt: skip
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -104,7 +108,8 @@ class HandOff:
             raise HandOffError(reply.error)
 
     @staticmethod
-    def _decode_request(req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, tid: str):
+    def _decode_request(req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, tid: str,
+                        aux_hidden=None):  # fmt: skip
         dreq = bus_pb2.DecodeRequest(
             request_id=req.request_id, gateway_id=req.gateway_id,
             token_ids=[*req.prompt_token_ids, *req.output_token_ids],
@@ -115,4 +120,6 @@ class HandOff:
         )  # fmt: skip
         if upd.logprobs:
             dreq.first_logprobs.CopyFrom(upd.logprobs[0])
+        if aux_hidden is not None:  # one row: small next to the message limit
+            dreq.aux_hidden.CopyFrom(tensor_to_proto(aux_hidden))
         return dreq

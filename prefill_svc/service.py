@@ -130,7 +130,8 @@ class PrefillService(EngineService):
             )
             batch.updates.append(upd)
             if out.outputs[0].finish_reason is None and out.kv_blocks is not None:
-                self._spawn(self.handoff.hand_over(req, upd, out.kv_blocks), owner=req)
+                self._spawn(self.handoff.hand_over(req, upd, out.kv_blocks, out.aux_hidden),
+                            owner=req)  # fmt: skip
         for gateway_id, batch in batches.items():
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 

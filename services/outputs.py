@@ -54,3 +54,5 @@ class RequestOutput:
     # Prefill role only: the prompt's KV blocks, [2, layers, n, block, kv_heads, head_dim].
     # ``finished`` with no finish_reason then means "handed off to a decode instance".
     kv_blocks: object | None = None
+    # Prefill role with a draft head: its hidden rows of the last prompt position [1, A].
+    aux_hidden: object | None = None

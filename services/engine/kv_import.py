@@ -51,11 +51,14 @@ class KVImports:
 
     def adopt(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
               first_token: int, params: SamplingParams, kv_blocks: torch.Tensor,
-              first_logprobs: TokenLogprobs | None = None) -> Request:  # fmt: skip
+              first_logprobs: TokenLogprobs | None = None,
+              aux_hidden: torch.Tensor | None = None) -> Request:  # fmt: skip
         """Continue a request: ``token_ids`` (prompt, then tokens generated before a
         migration) have their KV in ``kv_blocks`` [2, layers, n, block_size, kv_heads,
         head_dim]; ``first_token`` was sampled after them. Reserves first when
-        ``reserve`` was not called (MemoryError without room)."""
+        ``reserve`` was not called (MemoryError without room). ``aux_hidden`` [m, A]:
+        a draft head's rows of the last m of ``token_ids`` (ignored without one)."""
+        aux_hidden = self._check_aux(aux_hidden, len(token_ids))
         eng = self.engine
         if params.n > 1:
             raise ValueError("n > 1 is not served in the decode role (one request per choice)")
@@ -66,11 +69,26 @@ class KVImports:
             raise MemoryError("no free KV blocks for the imported request")
         holder = self.reserved.pop(request_id)
         try:
-            return self._adopt(holder, token_ids, num_prompt_tokens, first_token, params,
-                               kv_blocks, first_logprobs)  # fmt: skip
+            req = self._adopt(holder, token_ids, num_prompt_tokens, first_token, params,
+                              kv_blocks, first_logprobs)  # fmt: skip
         except BaseException:
             eng.block_manager.free(holder)
             raise
+        if aux_hidden is not None:
+            eng.runner.aux_rows[request_id] = [aux_hidden]
+        return req
+
+    def _check_aux(self, rows: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
+        """The rows in the target's dtype and device, or None when no head wants them."""
+        runner = self.engine.runner
+        if rows is None or not runner.aux_layers:
+            return None
+        width = len(runner.aux_layers) * self.engine.loaded.text_config.hidden_size
+        if rows.dim() != 2 or rows.shape[1] != width or not 0 < rows.shape[0] <= num_tokens:
+            raise ValueError(f"aux hidden rows of shape {list(rows.shape)}, expected [m, {width}]")
+        if not rows.is_floating_point():
+            raise ValueError(f"aux hidden rows of dtype {rows.dtype}")
+        return rows.to(device=self.engine.loaded.device, dtype=self.engine.loaded.dtype)
 
     def _adopt(self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks,
                first_logprobs) -> Request:  # fmt: skip

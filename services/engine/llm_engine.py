@@ -65,6 +65,7 @@ class LLMEngine:
         self.states: dict[str, RequestState] = {}
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
         self._exports: set[str] = set()
+        self._export_aux: dict[str, torch.Tensor] = {}
         self._rng = random.Random(config.seed)
         self.imports = KVImports(self)
 
@@ -133,10 +134,12 @@ class LLMEngine:
 
     def import_request(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                        first_token: int, params: SamplingParams, kv_blocks: torch.Tensor,
-                       first_logprobs: TokenLogprobs | None = None) -> Request:  # fmt: skip
-        """Decode role: continue a request whose KV was computed elsewhere (kv_import.py)."""
+                       first_logprobs: TokenLogprobs | None = None,
+                       aux_hidden: torch.Tensor | None = None) -> Request:  # fmt: skip
+        """Decode role: continue a request whose KV was computed elsewhere (kv_import.py);
+        ``aux_hidden``: the draft head's rows of the last prompt position(s)."""
         return self.imports.adopt(request_id, token_ids, num_prompt_tokens, first_token, params,
-                                  kv_blocks, first_logprobs)  # fmt: skip
+                                  kv_blocks, first_logprobs, aux_hidden)  # fmt: skip
 
     def reserve_import(self, request_id: str, num_tokens: int) -> bool:
         """Decode role: blocks for incoming KV, before the transfer is accepted."""
@@ -199,6 +202,9 @@ class LLMEngine:
             n = -(-req.num_tokens // self.config.block_size)
             out[rid] = self.kv.read_blocks(req.block_ids[:n], to_host=True)
             self._exports.discard(rid)
+            rows = self.runner.take_aux_rows(rid)  # a draft head's: the last one travels
+            if rows is not None:
+                self._export_aux[rid] = rows[-1:].to("cpu")
         return out
 
     # -- stepping ---------------------------------------------------------------------
@@ -288,6 +294,7 @@ class LLMEngine:
             out = state.make_output() if state.wants_output() else None
             if out is not None:
                 out.kv_blocks = exported.get(rid)
+                out.aux_hidden = self._export_aux.pop(rid, None)
                 if out.finished:
                     self.states.pop(rid, None)
                     self._drop_request(rid)

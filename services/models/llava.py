@@ -119,8 +119,12 @@ class LlavaForConditionalGeneration(nn.Module):
         vocab = self.language_model.model.embed_tokens.num_embeddings
         return self.language_model.embed(input_ids.clamp(max=vocab - 1))
 
-    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None) -> torch.Tensor:
-        return self.language_model(positions, inputs_embeds, kv_caches, meta, keep)
+    # The language model hands a draft head its layers' outputs (speculative decoding).
+    supports_aux_hidden = True
+
+    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None, aux_layers=()):
+        """The language model's hidden states (with ``aux_layers``: (hidden, aux))."""
+        return self.language_model(positions, inputs_embeds, kv_caches, meta, keep, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -68,3 +68,23 @@ class WrongProposer:
 
     def free(self, request_id: str) -> None:
         pass
+
+
+class RecordingProposer:
+    """Proposes nothing; records the hidden rows it is handed: [(request id, first
+    position, rows, token ids)] in order."""
+
+    def __init__(self, aux_layers: tuple[int, ...]):
+        self.aux_layers = aux_layers
+        self.rows: list[tuple[str, int, torch.Tensor, list[int]]] = []
+
+    def propose(self, batch: list[ProposeInput], k: int) -> list[list[int]]:
+        for item in batch:
+            if item.hidden is not None:
+                first = len(item.token_ids) - 1 - item.hidden.shape[0]
+                self.rows.append((item.request_id, first, item.hidden.clone(),
+                                  list(item.token_ids)))  # fmt: skip
+        return [[] for _ in batch]
+
+    def free(self, request_id: str) -> None:
+        pass
