@@ -12,7 +12,6 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cache_svc.config import SemanticCacheConfig
 from cache_svc.service import CacheService
 from decode_svc.service import DecodeService
 from gateway.app import Gateway
@@ -21,11 +20,9 @@ from prefill_svc.service import PrefillService
 from services.config import EngineConfig, ServiceConfig
 from tests.helpers.checkpoints import make_text_checkpoint
 from tests.integration.stack import service_config
+from tests.integration.test_semantic_cache import ON  # generous lookup limits
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
-
-# Generous lookup limits: a loaded machine must not turn an exact hit into a miss.
-ON = SemanticCacheConfig(cache_lookup_timeout_ms=2000, cache_exact_timeout_ms=2000)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
