@@ -39,7 +39,7 @@ class HeadRecipe:
     prefix: int = 16  # corpus tokens the target continues from
     steps: int = 100  # EAGLE-3
     batch: int = 8
-    peagle_steps: int = 300  # P-EAGLE learns 8 depths at once: it needs more
+    peagle_steps: int = 150  # P-EAGLE learns 8 depths at once: it needs more
     peagle_batch: int = 8
     lr: float = 3e-3
     ttt: int = 3  # EAGLE-3 training-time-test steps
@@ -69,10 +69,28 @@ def build_pool(target, stream: torch.Tensor, aux_ids: tuple[int, ...], r: HeadRe
     tokens = torch.cat([corpus, generated[:, : r.seq]])
     aux, probs = [], []
     for chunk in tokens.split(64):
-        out = target(input_ids=chunk, output_hidden_states=True)
-        aux.append(torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1))
-        probs.append(out.logits.float().softmax(-1))
+        rows, logits = target_rows(target, chunk, aux_ids)
+        aux.append(rows)
+        probs.append(logits.float().softmax(-1))
     return Pool(tokens, torch.cat(aux), torch.cat(probs))
+
+
+@torch.no_grad()
+def target_rows(target, ids: torch.Tensor, aux_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T, naux * H] outputs of layers id - 1, logits [B, T, V]) for ``ids`` [B, T].
+
+    Hooks read each layer's own output, as the engine hands it over. transformers'
+    ``hidden_states[n]`` would be wrong for the last layer: it is after the final norm."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [target.model.layers[i - 1].register_forward_hook(
+        lambda mod, args, out, i=i: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in aux_ids]  # fmt: skip
+    try:
+        logits = target(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([seen[i] for i in aux_ids], dim=-1), logits
 
 
 def new_head(

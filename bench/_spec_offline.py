@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from _spec_heads import target_rows
 
 from services.engine.spec_proposer import ProposeInput
 
@@ -70,8 +71,7 @@ def references(target, prompts: list[list[int]], new: int, aux_ids) -> list[Refe
         gen = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=new, min_new_tokens=new,
                               pad_token_id=target.config.pad_token_id)  # fmt: skip
-        hs = target(input_ids=gen, output_hidden_states=True).hidden_states
-        rows = torch.cat([hs[i][0] for i in aux_ids], dim=-1)
+        rows = target_rows(target, gen, aux_ids)[0][0]
         out.append(Reference(p, gen[0, len(p) :].tolist(), rows))
     return out
 
