@@ -162,3 +162,43 @@ def test_stop_max_tokens_logprobs_and_n(llama) -> None:
                     assert a.keys() == b.keys()
                     assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert spec.engine.spec.stats.accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "scenario"), [("eagle3", "plain"), ("peagle", "pressure")])
+def test_greedy_identical_with_eagle_heads(target, kind, scenario, tmp_path) -> None:
+    """Random-weight EAGLE-3 / P-EAGLE heads (Speculators layout) fed with the target's
+    hidden states: low acceptance, same tokens."""
+    from transformers import AutoConfig
+
+    from tests.helpers.eagle_heads import make_eagle_head
+
+    ckpt, refs, _ = target
+    head = make_eagle_head(tmp_path, AutoConfig.from_pretrained(str(ckpt)), kind)
+    cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K,
+           "parallel_drafting": kind == "peagle"}  # fmt: skip
+    llm = LLM(str(ckpt), device="cpu", block_size=4, speculative_config=cfg,
+              **SCENARIOS[scenario])  # fmt: skip
+    assert llm.engine.runner.aux_layers  # the head asked for hidden states
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    assert tokens(llm, PROMPTS, greedy) == refs
+    assert tokens(llm, PROMPTS, greedy) == refs
+    assert llm.engine.spec.stats.draft_tokens > 0
+    if scenario == "pressure":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [({"vocab_size": 1000, "draft_vocab": 1000}, "vocab"), ({"target_hidden_size": 32}, "hidden")],
+)
+def test_head_that_does_not_fit_is_refused_at_start(llama, tmp_path, over, message) -> None:
+    from transformers import AutoConfig
+
+    from tests.helpers.eagle_heads import make_eagle_head
+
+    ckpt = llama[0]
+    head = make_eagle_head(tmp_path, AutoConfig.from_pretrained(str(ckpt)), **over)
+    cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match=message):
+        LLM(str(ckpt), device="cpu", num_kv_blocks=32, speculative_config=cfg)
