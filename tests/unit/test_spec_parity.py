@@ -31,7 +31,7 @@ PROMPTS = [
 # that requests are preempted.
 SCENARIOS = {
     "plain": {"num_kv_blocks": 128},
-    "pressure": {"num_kv_blocks": 24, "max_num_batched_tokens": 10},
+    "pressure": {"num_kv_blocks": 20, "max_num_batched_tokens": 10},
 }
 
 
