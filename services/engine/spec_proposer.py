@@ -14,8 +14,8 @@ Contract:
   (no cost otherwise).
 * ``propose(batch, k)``: one list of at most ``k`` draft token ids per ``ProposeInput``,
   in batch order. Fewer (or none) is fine: that request then verifies fewer tokens.
-  ``k`` is ``num_speculative_tokens``, possibly lowered for a request near its
-  ``max_tokens`` / context limit.
+  ``k`` is ``num_speculative_tokens``; the engine cuts a request's drafts further near
+  its ``max_tokens`` / context limit, and at the first id outside the vocabulary.
 * ``free(request_id)``: the request finished, was aborted or preempted: drop any state
   kept for it. After a preemption the request is recomputed, and the engine delivers the
   recomputed hidden rows again (from position 0, or from the end of the prefix-cache
