@@ -19,6 +19,8 @@ import os
 import struct
 from pathlib import Path
 
+from services.models.checkpoint import CheckpointError
+
 log = logging.getLogger(__name__)
 
 # Bytes read at the head, middle and tail of every tensor.
@@ -64,7 +66,10 @@ def file_digest(path: Path, cache_dir: Path | None = None) -> str:
         return entry.read_text().strip()
     except OSError:
         pass
-    digest = _sampled_digest(path, st.st_size)
+    try:
+        digest = _sampled_digest(path, st.st_size)
+    except (ValueError, KeyError, TypeError, struct.error) as e:  # json errors are ValueErrors
+        raise CheckpointError(f"cannot read weights from {path.name}: {e}") from e
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_suffix(f".{os.getpid()}.tmp")
