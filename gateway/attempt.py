@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.events import BackendError, TokenEvent
 from gateway.reorder import UpdateOrderer
@@ -25,6 +26,15 @@ LIVENESS_TICK_S = 0.25
 PROBE_AFTER_S = 0.5
 # Failures that say "this worker cannot do it now", not "this request is wrong".
 RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
+
+
+class WorkerWatch(Protocol):
+    """What an attempt asks about the workers it waits on (the backend answers from
+    the heartbeat registry and the ping subject)."""
+
+    def alive(self, role: str, instance_id: str) -> bool: ...
+    def progressed_at(self, role: str, instance_id: str) -> float | None: ...
+    async def answers_ping(self, role: str, instance_id: str) -> bool: ...
 
 
 class WorkerLost(Exception):
@@ -93,19 +103,18 @@ def update_error(upd: bus_pb2.TokenUpdate, route: Route, sender: str, started: b
 
 
 async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
-                         alive: Callable[[str, str], bool],
-                         probe: Callable[[str, str], Awaitable[bool]]) -> AsyncIterator[TokenEvent]:  # fmt: skip
+                         fleet: WorkerWatch) -> AsyncIterator[TokenEvent]:  # fmt: skip
     """The attempt's events in order, until it finishes or fails."""
     last = probed = time.monotonic()
     while True:
         try:
             sender, upd = await asyncio.wait_for(route.queue.get(), LIVENESS_TICK_S)
         except TimeoutError:
-            role, worker = _check(route, order, deadline, stall_s, alive, last)
+            role, worker = _check(route, order, deadline, stall_s, fleet, last)
             now = time.monotonic()
             if now - max(last, probed) > PROBE_AFTER_S:
                 probed = now
-                if not await probe(role, worker):
+                if not await fleet.answers_ping(role, worker):
                     raise WorkerLost(role, worker, "its connection is gone") from None
             continue
         last = time.monotonic()
@@ -122,7 +131,7 @@ async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, st
 
 
 def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
-           alive: Callable[[str, str], bool], last: float) -> tuple[str, str]:  # fmt: skip
+           fleet: WorkerWatch, last: float) -> tuple[str, str]:  # fmt: skip
     """Raise if the attempt cannot go on; else the (role, id) of the worker it waits on."""
     if time.time() > deadline:
         raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
@@ -133,9 +142,12 @@ def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
     if order.started or route.decode_spoke or route.local:
         watched.append((subjects.ROLE_DECODE, route.decode_id))
     for role, worker in watched:
-        if not alive(role, worker):
+        if not fleet.alive(role, worker):
             raise WorkerLost(role, worker, "went away mid-request")
     role, worker = watched[-1]
-    if time.monotonic() - last > stall_s:
-        raise WorkerLost(role, worker, f"no tokens for {stall_s:.0f}s")
+    # A worker whose engine keeps stepping is busy (a long queue before this request's
+    # first token), not stalled: the request's deadline bounds that wait.
+    busy_at = fleet.progressed_at(role, worker) or 0.0
+    if time.monotonic() - max(last, busy_at) > stall_s:
+        raise WorkerLost(role, worker, f"no tokens and no engine steps for {stall_s:.0f}s")
     return role, worker

@@ -91,6 +91,10 @@ class DisaggregatedBackend:
         live = self.registry.live(role, include_draining=True)
         return any(i.instance_id == instance_id for i in live)
 
+    def progressed_at(self, role: str, instance_id: str) -> float | None:
+        """When the instance's engine last finished a step (heartbeats)."""
+        return self.registry.progressed_at(role, instance_id)
+
     async def answers_ping(self, role: str, instance_id: str) -> bool:
         """False only when nobody serves the instance's ping subject any more (its
         connection is gone); a slow or unknown answer counts as alive."""
@@ -207,8 +211,7 @@ class DisaggregatedBackend:
                 pushed = await images.for_prefill(pid, push=True)
                 await self._prefill(prep, arid, params, pushed, sent, route, last_try=True)
             async for event in stream_updates(route, order, prep.deadline,
-                                              self.config.stall_timeout_s, self.alive,
-                                              self.answers_ping):  # fmt: skip
+                                              self.config.stall_timeout_s, self):  # fmt: skip
                 if prefill is not None and not prefill.released:
                     self.router.succeeded(subjects.ROLE_PREFILL, prefill.instance_id)
                     prefill.release()

@@ -57,7 +57,8 @@ class EngineService(Service):
 
     def report_load(self) -> Load:
         load = self.engine.load()
-        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"])
+        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"],
+                    steps=load["steps"])  # fmt: skip
 
     def busy(self) -> bool:
         return bool(self.routes or self._tasks)

@@ -305,7 +305,7 @@ class Abort(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("role", "instance_id", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "unix_ms", "draining", "model")
+    __slots__ = ("role", "instance_id", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "unix_ms", "draining", "model", "steps")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class Heartbeat(_message.Message):
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     role: str
     instance_id: str
     running: int
@@ -324,7 +325,8 @@ class Heartbeat(_message.Message):
     unix_ms: int
     draining: bool
     model: str
-    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    steps: int
+    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class CachedChoice(_message.Message):
     __slots__ = ("index", "token_ids", "finish_reason", "stop_token_id", "stop_string")

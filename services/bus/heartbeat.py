@@ -36,6 +36,8 @@ class Load:
     total_kv_blocks: int = 0
     # Shutting down: routers send no new work.
     draining: bool = False
+    # Work finished so far (engine steps); 0 where a service does not count it.
+    steps: int = 0
 
 
 class HeartbeatPublisher:
@@ -93,6 +95,7 @@ class HeartbeatPublisher:
                 unix_ms=now_unix_ms(),
                 draining=load.draining or draining,
                 model=self._model,
+                steps=load.steps,
             )
             await self._bus.publish(self._subject, msg)
         except (BusError, ValueError, TypeError) as exc:
@@ -114,6 +117,8 @@ class InstanceInfo:
     model: str
     # Local monotonic time the last heartbeat arrived.
     last_seen: float
+    # Local monotonic time its step count last moved (first heard, if it never did).
+    progressed_at: float = 0.0
 
 
 class InstanceRegistry:
@@ -158,12 +163,23 @@ class InstanceRegistry:
         """Take one heartbeat into account."""
         if hb.role not in self._instances:
             return
-        load = Load(hb.running, hb.waiting, hb.free_kv_blocks, hb.total_kv_blocks, hb.draining)
+        load = Load(hb.running, hb.waiting, hb.free_kv_blocks, hb.total_kv_blocks, hb.draining,
+                    hb.steps)  # fmt: skip
         self._heard_at = self._clock()
+        before = self._instances[hb.role].get(hb.instance_id)
+        moved = before is None or before.load.steps != hb.steps
         self._instances[hb.role][hb.instance_id] = InstanceInfo(
-            hb.role, hb.instance_id, load, hb.model, self._heard_at
-        )
+            hb.role, hb.instance_id, load, hb.model, self._heard_at,
+            self._heard_at if moved else before.progressed_at,
+        )  # fmt: skip
         self._changed.set()
+
+    def progressed_at(self, role: str, instance_id: str) -> float | None:
+        """When the instance's step count last moved (local monotonic time); None if
+        unknown. A long queue before a request's first token is not a stall while this
+        moves."""
+        info = self._instances.get(role, {}).get(instance_id)
+        return None if info is None else info.progressed_at
 
     def live(self, role: str, *, include_draining: bool = False) -> list[InstanceInfo]:
         """Instances of ``role`` heard from within the expiry, sorted by id."""

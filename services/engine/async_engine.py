@@ -41,6 +41,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Engine steps finished (heartbeats carry it: a moving count is a busy engine).
+        self.steps = 0
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -105,10 +107,12 @@ class AsyncEngine:
             await self.call(lambda: self.engine.abort_request(request_id))
 
     def load(self) -> dict[str, int]:
-        """Running / waiting requests and free KV blocks (read racily, for heartbeats)."""
+        """Running / waiting requests, free KV blocks and steps finished (read racily,
+        for heartbeats)."""
         s, bm = self.engine.scheduler, self.engine.block_manager
         return {"running": s.num_running, "waiting": s.num_waiting,
-                "free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks}  # fmt: skip
+                "free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
+                "steps": self.steps}  # fmt: skip
 
     # -- engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -160,6 +164,7 @@ class AsyncEngine:
             log.exception("engine step failed; failing the running requests")
             self._abort_everything(e)
             return
+        self.steps += 1
         if self._on_outputs is not None and self._loop is not None:
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)

@@ -1,0 +1,94 @@
+"""A worker whose engine keeps stepping is busy, not stalled: a request queued behind
+others for longer than the stall timeout stays with it; one whose worker stopped stepping
+moves on. Heartbeats carry the step count; the registry notes when it last moved."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.attempt import Route, WorkerLost, _check
+from gateway.reorder import UpdateOrderer
+from protos.epd_pb import bus_pb2
+from services.bus.heartbeat import InstanceRegistry
+
+STALL_S = 30.0
+
+
+class Clock:
+    """The registry's clock, set by the test; in step with time.monotonic (what the
+    attempt measures silence with) but for an offset."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class Watch:
+    """The backend's answers (gateway/disaggregated.py), from a real registry."""
+
+    def __init__(self, registry: InstanceRegistry) -> None:
+        self.registry = registry
+
+    def alive(self, role: str, instance_id: str) -> bool:
+        return any(i.instance_id == instance_id for i in self.registry.live(role))
+
+    def progressed_at(self, role: str, instance_id: str) -> float | None:
+        return self.registry.progressed_at(role, instance_id)
+
+    async def answers_ping(self, role: str, instance_id: str) -> bool:
+        return True
+
+
+def _beat(registry: InstanceRegistry, steps: int) -> None:
+    registry.record(bus_pb2.Heartbeat(role="prefill", instance_id="p0", steps=steps))
+
+
+def _registry(clock: Clock) -> InstanceRegistry:
+    registry = InstanceRegistry(None, ["prefill", "decode"], expiry_s=1e9, clock=clock)
+    registry.record(bus_pb2.Heartbeat(role="decode", instance_id="d0"))
+    return registry
+
+
+def test_progress_time_moves_only_with_the_step_count():
+    clock = Clock()
+    registry = _registry(clock)
+    _beat(registry, steps=7)
+    first = registry.progressed_at("prefill", "p0")
+    clock.offset = 5.0
+    _beat(registry, steps=7)
+    assert registry.progressed_at("prefill", "p0") == first
+    clock.offset = 9.0
+    _beat(registry, steps=8)
+    assert registry.progressed_at("prefill", "p0") == pytest.approx(first + 9.0, abs=0.5)
+    assert registry.progressed_at("prefill", "unknown") is None
+
+
+def test_a_queued_request_on_a_stepping_worker_is_not_a_stall():
+    clock = Clock()
+    registry = _registry(clock)
+    clock.offset = -40.0  # first heard 40 s ago, stepping ever since
+    _beat(registry, steps=1)
+    clock.offset = 0.0
+    _beat(registry, steps=500)
+    last_update = time.monotonic() - 2 * STALL_S
+    route = Route("p0", "d0", 0)
+    role, worker = _check(route, UpdateOrderer(), time.time() + 300, STALL_S, Watch(registry),
+                          last_update)  # fmt: skip
+    assert (role, worker) == ("prefill", "p0")
+
+
+def test_a_worker_that_stopped_stepping_is_left():
+    clock = Clock()
+    registry = _registry(clock)
+    clock.offset = -40.0
+    _beat(registry, steps=3)
+    clock.offset = 0.0
+    _beat(registry, steps=3)  # still beating (its event loop lives), its engine does not
+    last_update = time.monotonic() - 2 * STALL_S
+    with pytest.raises(WorkerLost, match="no engine steps"):
+        _check(Route("p0", "d0", 0), UpdateOrderer(), time.time() + 300, STALL_S,
+               Watch(registry), last_update)  # fmt: skip
