@@ -145,9 +145,10 @@ def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
         if not fleet.alive(role, worker):
             raise WorkerLost(role, worker, "went away mid-request")
     role, worker = watched[-1]
-    # A worker whose engine keeps stepping is busy (a long queue before this request's
-    # first token), not stalled: the request's deadline bounds that wait.
-    busy_at = fleet.progressed_at(role, worker) or 0.0
+    # A prefill whose engine keeps stepping is busy (a long queue before this request's
+    # first token), not stalled: the request's deadline bounds that wait. Decode runs
+    # every request it holds each step, so there silence alone means a stall.
+    busy_at = (fleet.progressed_at(role, worker) if role == subjects.ROLE_PREFILL else None) or 0.0
     if time.monotonic() - max(last, busy_at) > stall_s:
         raise WorkerLost(role, worker, f"no tokens and no engine steps for {stall_s:.0f}s")
     return role, worker

@@ -1,6 +1,7 @@
-"""A worker whose engine keeps stepping is busy, not stalled: a request queued behind
-others for longer than the stall timeout stays with it; one whose worker stopped stepping
-moves on. Heartbeats carry the step count; the registry notes when it last moved."""
+"""A prefill whose engine keeps stepping is busy, not stalled: a request queued behind
+others for longer than the stall timeout stays with it; one whose prefill stopped stepping
+moves on, and so does one whose decode went silent. Heartbeats carry the step count; the
+registry notes when it last moved."""
 
 from __future__ import annotations
 
@@ -92,3 +93,17 @@ def test_a_worker_that_stopped_stepping_is_left():
     with pytest.raises(WorkerLost, match="no engine steps"):
         _check(Route("p0", "d0", 0), UpdateOrderer(), time.time() + 300, STALL_S,
                Watch(registry), last_update)  # fmt: skip
+
+
+def test_a_silent_decode_is_left_even_while_its_engine_steps():
+    clock = Clock()
+    registry = _registry(clock)
+    clock.offset = -40.0
+    registry.record(bus_pb2.Heartbeat(role="decode", instance_id="d0", steps=1))
+    clock.offset = 0.0
+    registry.record(bus_pb2.Heartbeat(role="decode", instance_id="d0", steps=900))
+    _beat(registry, steps=1)
+    route = Route("p0", "d0", 0, decode_spoke=True)
+    with pytest.raises(WorkerLost, match="decode instance d0"):
+        _check(route, UpdateOrderer(), time.time() + 300, STALL_S, Watch(registry),
+               time.monotonic() - 2 * STALL_S)  # fmt: skip
