@@ -230,12 +230,12 @@ class LLMEngine:
         request, exported KV)."""
         if so.num_steps > 1:
             burst = self.runner.execute_burst(so.scheduled, so.num_steps)
-            return (*self.scheduler.update_from_burst(so, burst), {}, {})
+            return (*self.scheduler.update_from_tokens(so, burst), {}, {})
         if self.spec is not None:
             result = self.runner.execute_verify(so.scheduled)
             exported = self._export_kv({rid: t[0] for rid, t in result.tokens.items()})
             self.spec.observe(so, result.tokens)
-            finished, new_tokens = self.scheduler.update_from_verify(so, result.tokens)
+            finished, new_tokens = self.scheduler.update_from_tokens(so, result.tokens)
             return finished, new_tokens, result.logprobs, exported
         result = self.runner.execute(so.scheduled)
         exported = self._export_kv(result.sampled)

@@ -251,26 +251,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_burst(
+    def update_from_tokens(
         self, output: SchedulerOutput, sampled: Mapping[str, list[int]]
     ) -> tuple[list[Request], dict[str, list[int]]]:
-        """Apply a burst's results (``sampled``: each request's ``num_steps`` tokens).
+        """Apply a step that emits several tokens per request: a burst (``num_steps``
+        tokens each) or a verification of drafts (spec_rollback.py).
 
-        Tokens count one by one, as that many steps would: a request that stops keeps
-        the tokens up to its stop and drops the rest (their K/V is never read). Returns
-        the requests that finished and the tokens each request kept.
-        """
-        return self.update_from_verify(output, sampled)
-
-    def update_from_verify(
-        self, output: SchedulerOutput, sampled: Mapping[str, list[int]]
-    ) -> tuple[list[Request], dict[str, list[int]]]:
-        """Apply a step in which requests may have verified drafts (spec_rollback.py).
-
-        ``sampled`` maps each sampling request to the tokens it emits: its accepted
-        drafts, then the target's own token. Tokens count one by one (a stop or the
-        length limit inside them truncates there); rejected drafts' slots are rolled
-        back. Returns the finished requests and the tokens each request kept.
+        ``sampled`` maps each sampling request to the tokens it emits: a burst's tokens,
+        or its accepted drafts then the target's own token. Tokens count one by one (a
+        stop or the length limit inside them truncates there, as that many steps would);
+        rejected drafts' slots are rolled back. Returns the finished requests and the
+        tokens each request kept.
         """
         finished: list[Request] = []
         kept: dict[str, list[int]] = {}

@@ -344,7 +344,7 @@ def burst(sched: Scheduler, steps: int, tokens: list[int] | None = None):
         sampled = {s.request_id: TOKEN for s in out.scheduled if s.sample}
         return out, sched.update_from_output(out, sampled), None
     sampled = {s.request_id: list(tokens or [TOKEN] * out.num_steps) for s in out.scheduled}
-    finished, kept = sched.update_from_burst(out, sampled)
+    finished, kept = sched.update_from_tokens(out, sampled)
     return out, finished, kept
 
 

@@ -35,7 +35,7 @@ def prefill(sched: Scheduler, *reqs: Request, first: int = 50) -> None:
         sched.add_request(req)
     out = sched.schedule()
     assert all(item.sample for item in out.scheduled) and len(out.scheduled) == len(reqs)
-    sched.update_from_verify(out, {req.request_id: [first] for req in reqs})
+    sched.update_from_tokens(out, {req.request_id: [first] for req in reqs})
 
 
 def verify(sched: Scheduler, accept: dict[str, int], bonus: int = 60):
@@ -46,7 +46,7 @@ def verify(sched: Scheduler, accept: dict[str, int], bonus: int = 60):
         if item.sample:
             n = accept.get(item.request_id, 0)
             sampled[item.request_id] = item.draft_token_ids[:n] + [bonus]
-    finished, kept = sched.update_from_verify(out, sampled)
+    finished, kept = sched.update_from_tokens(out, sampled)
     return out, finished, kept
 
 
@@ -106,7 +106,7 @@ def test_same_blocks_and_hashes_as_a_run_without_drafts() -> None:
             drafts = out.scheduled[0].draft_token_ids
             good = [d for d, t in zip(drafts, truth[n:], strict=False) if d == t]
             emitted = good + [truth[n + len(good)]]
-            sched.update_from_verify(out, {"a": emitted})
+            sched.update_from_tokens(out, {"a": emitted})
         bm = sched.block_manager
         assert req.output_token_ids == truth
         pools.append((bm.free_block_ids, hashed_blocks(bm), req.block_hashes))
