@@ -1,4 +1,8 @@
-"""``serve all``: the whole engine in the gateway's process (the comparison baseline)."""
+"""``serve all``: the whole engine in the gateway's process (the comparison baseline).
+
+Images go through ``gateway/image_embeddings.py`` first (LRU, then the fleet's Redis
+embedding cache): the engine gets their embeddings and runs the tower only on misses.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,31 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import torch
+
+from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
 from gateway.events import BackendError, TokenEvent, events_from_output
+from gateway.image_embeddings import ImageEmbeddings
 from gateway.prepare import PreparedRequest
 from services import metrics
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.parallel_sampling import child_request_id
+from services.images import decode_image
 
 
 class AggregatedBackend:
     """Serves prepared requests from an in-process ``AsyncEngine`` (n > 1 included: the
     engine runs the choices over one prompt)."""
 
-    def __init__(self, engine: AsyncEngine, instance_id: str = "all"):
+    def __init__(self, engine: AsyncEngine, instance_id: str = "all",
+                 store: EmbeddingStoreConfig | None = None):  # fmt: skip
+        """``store``: the Redis embedding cache shared with the fleet (None: LRU only)."""
         self.engine = engine
         self.instance_id = instance_id
+        lm = engine.engine.loaded
+        self._store = EmbeddingStore.from_config(store) if store is not None else None
+        self.images = ImageEmbeddings(self._encode, self._store, lm.fingerprint,
+                                      lm.text_config.hidden_size, lm.dtype)  # fmt: skip
 
     def refresh_metrics(self) -> None:
         """The engine's load gauges (a fleet instance sets them on every heartbeat; this
@@ -35,11 +50,33 @@ class AggregatedBackend:
 
     async def stop(self) -> None:
         await self.engine.shutdown()
+        if self._store is not None:
+            await self._store.close()
+
+    async def _encode(self, data: bytes) -> torch.Tensor:
+        """The tower on one image, on the engine thread between steps (it owns the model)."""
+        image = await asyncio.to_thread(decode_image, data)
+        llm = self.engine.engine
+        return (await self.engine.call(lambda: llm.encode_images([image])))[0]
+
+    async def _inputs(self, prep: PreparedRequest) -> tuple[dict, list[torch.Tensor] | None]:
+        """The engine's prompt and the images' embeddings (None: a text-only request)."""
+        if not prep.images:
+            return {"prompt_token_ids": prep.prompt_token_ids}, None
+        try:
+            async with asyncio.timeout(max(0.0, prep.deadline - time.time())):
+                embeds = await self.images.embeddings(prep.images, prep.spans)
+        except TimeoutError as e:
+            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline") from e
+        except EngineDeadError as e:
+            raise BackendError("UNAVAILABLE", str(e)) from e
+        hashes = [span.image_hash for span in prep.spans]
+        return {"prompt_token_ids": prep.prompt_token_ids, "image_hashes": hashes}, embeds
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
-        prompt = {"prompt_token_ids": prep.prompt_token_ids, "images": prep.images}
+        prompt, embeds = await self._inputs(prep)
         n = prep.params.logprobs or 0
-        outputs = self.engine.generate(prep.request_id, prompt, prep.params)
+        outputs = self.engine.generate(prep.request_id, prompt, prep.params, image_embeds=embeds)
         try:
             while True:
                 try:  # the deadline holds between outputs too (time.time: it is unix time)

@@ -120,11 +120,15 @@ class Gateway(Service):
 
     def _backend(self, engine_config: EngineConfig):
         if self.aggregated:
+            from cache_svc.embedding_store import EmbeddingStoreConfig
             from gateway.aggregated import AggregatedBackend
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
 
-            return AggregatedBackend(AsyncEngine(LLMEngine(engine_config)), self.instance_id)
+            store = EmbeddingStoreConfig(url=self.config.redis_url,
+                                         ttl_s=self.config.embedding_ttl_s)  # fmt: skip
+            return AggregatedBackend(AsyncEngine(LLMEngine(engine_config)), self.instance_id,
+                                     store)  # fmt: skip
         from gateway.disaggregated import DisaggregatedBackend
 
         return DisaggregatedBackend(engine_config, self.config, self.instance_id, self.api,

@@ -1,0 +1,126 @@
+"""``serve all``'s image-embedding cache: an in-process LRU in front of the fleet's Redis.
+
+The aggregated server used to run the vision tower on every image of every request. Here
+each image's embedding is looked up first in a small LRU, then in the same Redis store
+the encoder service fills (``cache_svc/embedding_store.py``, key
+``epd:emb:<model-fingerprint>:<image-sha256>``), so a fleet and an aggregated server on
+one Redis share their work. Only a miss in both runs the tower. Redis unavailable, slow
+or holding a wrong-shaped value is a miss (every Redis call has the store's timeout),
+never a failure; concurrent requests for one image encode it once (singleflight).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from cache_svc.embedding_store import EmbeddingStore
+from services.engine.request import ImageSpan
+from services.metrics import (
+    EMBEDDING_CACHE_BYTES,
+    EMBEDDING_CACHE_HITS,
+    EMBEDDING_CACHE_MISSES,
+    EMBEDDING_SINGLEFLIGHT_JOINS,
+)
+from services.singleflight import SingleFlight
+
+log = logging.getLogger(__name__)
+
+# Encoded image file -> its embedding [tokens_per_image, hidden] (runs the tower).
+EncodeFn = Callable[[bytes], Awaitable[torch.Tensor]]
+
+
+class EmbeddingLRU:
+    """Embeddings by image hash, least recently used evicted past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        emb = self._items.get(key)
+        if emb is not None:
+            self._items.move_to_end(key)
+        return emb
+
+    def put(self, key: str, emb: torch.Tensor) -> None:
+        size = emb.numel() * emb.element_size()
+        if size > self.max_bytes:
+            return  # one entry may not flush the whole cache
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= old.numel() * old.element_size()
+        self._items[key] = emb
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, gone = self._items.popitem(last=False)
+            self.bytes -= gone.numel() * gone.element_size()
+
+
+class ImageEmbeddings:
+    """``embeddings(images, spans)`` -> one tensor per image, the tower run only on misses."""
+
+    def __init__(self, encode: EncodeFn, store: EmbeddingStore | None, fingerprint: str,
+                 hidden: int, dtype: torch.dtype, lru_bytes: int = 256 << 20) -> None:  # fmt: skip
+        """``store`` None: no Redis (the LRU alone); ``hidden``/``dtype``: the language
+        model's, which a stored value must match to be used."""
+        self.encode = encode
+        self.store = store
+        self.fingerprint = fingerprint
+        self.hidden = hidden
+        self.dtype = dtype
+        self.lru = EmbeddingLRU(lru_bytes)
+        self.flight: SingleFlight[str, torch.Tensor] = SingleFlight()
+
+    async def embeddings(self, images: list[bytes], spans: list[ImageSpan]) -> list[torch.Tensor]:
+        """Each image's embedding, in prompt order (``spans`` name their hashes)."""
+        if len(images) != len(spans):
+            raise ValueError(f"{len(images)} images for {len(spans)} image spans")
+        return [await self.one(data, span) for data, span in zip(images, spans, strict=True)]
+
+    async def one(self, data: bytes, span: ImageSpan) -> torch.Tensor:
+        """One image: LRU, else (shared with concurrent callers) Redis, else the tower."""
+        emb = self.lru.get(span.image_hash)
+        if emb is not None:
+            EMBEDDING_CACHE_HITS.inc()
+            return emb
+        if self.flight.inflight(span.image_hash):
+            EMBEDDING_SINGLEFLIGHT_JOINS.inc()
+        return await self.flight.do(span.image_hash, lambda: self._load(data, span))
+
+    async def _load(self, data: bytes, span: ImageSpan) -> torch.Tensor:
+        emb = await self._stored(span)
+        if emb is not None:
+            EMBEDDING_CACHE_HITS.inc()
+        else:
+            EMBEDDING_CACHE_MISSES.inc()
+            emb = await self.encode(data)
+            await self._store(span.image_hash, emb)
+        self.lru.put(span.image_hash, emb)
+        return emb
+
+    async def _stored(self, span: ImageSpan) -> torch.Tensor | None:
+        """Redis's value when it fits the span and the model; anything else is a miss."""
+        if self.store is None:
+            return None
+        emb = await self.store.get(self.fingerprint, span.image_hash)
+        if emb is None:
+            return None
+        if emb.dim() != 2 or list(emb.shape) != [span.length, self.hidden] \
+                or not emb.is_floating_point():  # fmt: skip
+            log.warning("stored embedding of image %s is %s %s, expected floats [%d, %d]: "
+                        "encoding it again", span.image_hash[:12], emb.dtype, list(emb.shape),
+                        span.length, self.hidden)  # fmt: skip
+            return None
+        return emb.to(self.dtype)
+
+    async def _store(self, image_hash: str, emb: torch.Tensor) -> None:
+        if self.store is not None and await self.store.put(self.fingerprint, image_hash, emb):
+            EMBEDDING_CACHE_BYTES.inc(emb.numel() * emb.element_size())
