@@ -1,7 +1,9 @@
 """``serve all``: the whole engine in the gateway's process (the comparison baseline).
 
 Images go through ``gateway/image_embeddings.py`` first (LRU, then the fleet's Redis
-embedding cache): the engine gets their embeddings and runs the tower only on misses.
+embedding cache): the engine gets their embeddings, and the tower runs only on misses,
+in its own thread (micro-batched), so a fresh image does not hold up the steps of
+requests whose images are known.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
+from encoder_svc.batcher import EncodeBatcher
 from gateway.events import BackendError, TokenEvent, events_from_output
 from gateway.image_embeddings import ImageEmbeddings
 from gateway.prepare import PreparedRequest
@@ -32,6 +35,7 @@ class AggregatedBackend:
         self.engine = engine
         self.instance_id = instance_id
         lm = engine.engine.loaded
+        self.tower = EncodeBatcher(engine.engine.encode_images)
         self._store = EmbeddingStore.from_config(store) if store is not None else None
         self.images = ImageEmbeddings(self._encode, self._store, lm.fingerprint,
                                       lm.text_config.hidden_size, lm.dtype)  # fmt: skip
@@ -54,10 +58,11 @@ class AggregatedBackend:
             await self._store.close()
 
     async def _encode(self, data: bytes) -> torch.Tensor:
-        """The tower on one image, on the engine thread between steps (it owns the model)."""
+        """The tower on one image, in a worker thread beside the engine's (its weights are
+        read-only there), so the other requests' steps go on meanwhile; images that queue
+        up during a pass share the next one."""
         image = await asyncio.to_thread(decode_image, data)
-        llm = self.engine.engine
-        return (await self.engine.call(lambda: llm.encode_images([image])))[0]
+        return await self.tower.submit(image)
 
     async def _inputs(self, prep: PreparedRequest) -> tuple[dict, list[torch.Tensor] | None]:
         """The engine's prompt and the images' embeddings (None: a text-only request)."""
@@ -68,8 +73,6 @@ class AggregatedBackend:
                 embeds = await self.images.embeddings(prep.images, prep.spans)
         except TimeoutError as e:
             raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline") from e
-        except EngineDeadError as e:
-            raise BackendError("UNAVAILABLE", str(e)) from e
         hashes = [span.image_hash for span in prep.spans]
         return {"prompt_token_ids": prep.prompt_token_ids, "image_hashes": hashes}, embeds
 
