@@ -30,6 +30,14 @@ class EncodeBatcher:
         self._pending: list[tuple[Image.Image, asyncio.Future]] = []
         self._busy = False
         self._tasks: set[asyncio.Task] = set()
+        # Tower passes finished (heartbeats carry it: a moving count is a busy encoder,
+        # so the gateway waits on a long queue here instead of failing it over).
+        self.batches = 0
+
+    @property
+    def waiting(self) -> int:
+        """Images queued for a later pass."""
+        return len(self._pending)
 
     async def submit(self, image: Image.Image) -> torch.Tensor:
         fut = asyncio.get_running_loop().create_future()
@@ -57,6 +65,7 @@ class EncodeBatcher:
             except Exception as e:  # every waiter learns why; nobody hangs
                 log.warning("encoder batch failed: %s", e)
                 out = [e] * len(batch)
+            self.batches += 1
             for (_, fut), emb in zip(batch, out, strict=True):
                 if fut.done():
                     continue

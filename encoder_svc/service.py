@@ -27,6 +27,7 @@ from services.bus.blobs import BlobInbox, send_blob
 from services.bus.deadline import timeout_for
 from services.bus.errors import BusError
 from services.bus.handlers import Incoming
+from services.bus.heartbeat import Load
 from services.config import EngineConfig, ServiceConfig
 from services.images import ImageError, ImagePreprocessor, decode_image, image_hash
 from services.metrics import (
@@ -77,6 +78,13 @@ class EncoderService(Service):
         # The image was sent ahead to this instance: refused while draining.
         await self.serve_work(subjects.encoder(self.fingerprint, self.instance_id), self._on_encode,
                               bus_pb2.EncodeReply)  # fmt: skip
+
+    def report_load(self) -> Load:
+        """Handlers running, images queued, and tower passes done as the step count."""
+        batcher = getattr(self, "batcher", None)
+        if batcher is None:  # still loading
+            return Load(running=self.active)
+        return Load(running=self.active, waiting=batcher.waiting, steps=batcher.batches)
 
     @torch.inference_mode()
     def _encode_batch(self, images: list) -> list[torch.Tensor]:

@@ -71,9 +71,11 @@ class Route:
 
 
 async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost],
-                      probe: Callable[[], Awaitable[bool]] | None = None):  # fmt: skip
+                      probe: Callable[[], Awaitable[bool]] | None = None,
+                      stalled: Callable[[], WorkerLost | None] | None = None):  # fmt: skip
     """Await ``aw``; raise ``lost()`` as soon as ``alive()`` turns false, or ``probe()``
-    (tried every PROBE_AFTER_S while waiting) says the worker is gone."""
+    (tried every PROBE_AFTER_S while waiting) says the worker is gone; raise what
+    ``stalled()`` returns once it returns something (a live worker that stopped working)."""
     task = asyncio.ensure_future(aw)
     probed = time.monotonic()
     try:
@@ -83,6 +85,9 @@ async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLo
                 return task.result()
             if not alive():
                 raise lost()
+            stall = stalled() if stalled is not None else None
+            if stall is not None:
+                raise stall
             if probe is not None and time.monotonic() - probed > PROBE_AFTER_S:
                 probed = time.monotonic()
                 if not await probe():

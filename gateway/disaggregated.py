@@ -68,7 +68,7 @@ class DisaggregatedBackend:
         self.bus, self.registry, self.routes = self.link.bus, self.link.registry, self.link.routes
         self.router = Router(self.registry, self.info.fingerprint, self.api)
         self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
-                                    self.router, self.alive, self.answers_ping)  # fmt: skip
+                                    self.config.stall_timeout_s, self.router, self)  # fmt: skip
 
     async def stop(self) -> None:
         if self._own_link and self.link is not None:

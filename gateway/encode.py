@@ -4,7 +4,10 @@ Each distinct image goes to an encoder the router picks (``epd.encoder.<fp>.<id>
 encoder answers from Redis when the image is known, so a repeated image costs one Redis
 GET there and no tower pass. The gateway itself needs no Redis connection. An encoder
 that dies, refuses or goes silent mid-encode is left for another one at once (the
-gateway watches its heartbeats while it waits).
+gateway watches its heartbeats while it waits). One that is alive and keeps finishing
+tower passes (its heartbeats' step count) is busy, not stuck: a request waits on it up
+to its own deadline, however long the queue there; only ``stall_s`` without a reply and
+without a finished pass sends the image elsewhere.
 
 An image too large for one bus message is never shipped blindly: the gateway first
 asks by hash alone; only when no embedding is cached does it send the bytes (chunked,
@@ -17,11 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 from cache_svc.keys import embedding_key
-from gateway.attempt import RETRYABLE, WorkerLost, while_alive
+from gateway.attempt import RETRYABLE, WorkerLost, WorkerWatch, while_alive
 from gateway.events import BackendError
 from gateway.prepare import PreparedRequest
 from gateway.router import Router
@@ -29,7 +32,7 @@ from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.blobs import fits_inline, send_blob
 from services.bus.connection import Bus
-from services.bus.errors import BusError
+from services.bus.errors import BusError, BusTimeout
 from services.metrics import MIGRATIONS
 from services.wire import STATUS
 
@@ -37,18 +40,19 @@ log = logging.getLogger(__name__)
 
 
 class ImageEncoder:
-    """Encodes a request's images on encoders chosen by ``router``; ``alive(role, id)``
-    says whether an instance still beats, ``probe(role, id)`` whether it is connected."""
+    """Encodes a request's images on encoders chosen by ``router``; ``watch`` says
+    whether an instance still beats, is connected, and when it last finished a pass."""
 
-    def __init__(self, bus: Bus, fingerprint: str, timeout_s: float, router: Router,
-                 alive: Callable[[str, str], bool],
-                 probe: Callable[[str, str], Awaitable[bool]]):  # fmt: skip
+    def __init__(self, bus: Bus, fingerprint: str, timeout_s: float, stall_s: float,
+                 router: Router, watch: WorkerWatch):  # fmt: skip
+        """``timeout_s``: bus transfers (an image's bytes); ``stall_s``: how long an
+        encoder may go without replying and without finishing a pass."""
         self.bus = bus
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
+        self.stall_s = stall_s
         self.router = router
-        self.alive = alive
-        self.probe = probe
+        self.watch = watch
 
     def keys_for(self, prep: PreparedRequest) -> dict[str, str]:
         return {s.image_hash: embedding_key(self.fingerprint, s.image_hash) for s in prep.spans}
@@ -111,16 +115,39 @@ class ImageEncoder:
         return reply
 
     async def _ask(self, encoder_id: str, req: bus_pb2.EncodeRequest) -> bus_pb2.EncodeReply:
+        """The encoder's reply, waited for up to the request's deadline while the encoder
+        beats and finishes tower passes (a queue of images ahead of this one is work)."""
+        deadline = req.deadline_unix_ms / 1000 if req.deadline_unix_ms else None
+        left = deadline - time.time() if deadline is not None else self.timeout_s
+        if left <= 0:
+            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
+        role, asked = subjects.ROLE_ENCODE, time.monotonic()
         ask = self.bus.request(subjects.encoder(self.fingerprint, encoder_id), req,
-                               bus_pb2.EncodeReply, self.timeout_s)  # fmt: skip
+                               bus_pb2.EncodeReply, left)  # fmt: skip
         try:
             return await while_alive(
-                ask, lambda: self.alive(subjects.ROLE_ENCODE, encoder_id),
-                lambda: WorkerLost(subjects.ROLE_ENCODE, encoder_id, "went away mid-encode"),
-                lambda: self.probe(subjects.ROLE_ENCODE, encoder_id),
+                ask, lambda: self.watch.alive(role, encoder_id),
+                lambda: WorkerLost(role, encoder_id, "went away mid-encode"),
+                lambda: self.watch.answers_ping(role, encoder_id),
+                lambda: self._stalled(encoder_id, asked),
             )  # fmt: skip
+        except BusTimeout as e:
+            if deadline is not None and time.time() >= deadline - 0.01:
+                raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline") from e
+            raise WorkerLost(role, encoder_id, f"encode failed: {e}") from e
         except BusError as e:
-            raise WorkerLost(subjects.ROLE_ENCODE, encoder_id, f"encode failed: {e}") from e
+            raise WorkerLost(role, encoder_id, f"encode failed: {e}") from e
+
+    def _stalled(self, encoder_id: str, asked: float) -> WorkerLost | None:
+        """A stall: neither a reply nor a finished tower pass for the stall timeout, and
+        never sooner than the bus timeout (one pass over a huge image, or its decode,
+        may take that long without any pass finishing)."""
+        limit = max(self.stall_s, self.timeout_s)
+        busy_at = self.watch.progressed_at(subjects.ROLE_ENCODE, encoder_id) or 0.0
+        if time.monotonic() - max(asked, busy_at) <= limit:
+            return None
+        return WorkerLost(subjects.ROLE_ENCODE, encoder_id,
+                          f"no embedding and no tower pass for {limit:.0f}s")  # fmt: skip
 
 
 class EmbeddingsMissing(Exception):
