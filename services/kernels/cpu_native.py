@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "epd_cpu.c", CSRC / "epd_attention.c", CSRC / "epd_decode.c"]
+SOURCES = [CSRC / f"epd_{name}.c" for name in ("cpu", "attention", "extend", "decode")]
 HEADERS = [CSRC / "epd_common.h"]
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 
@@ -33,6 +33,8 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "epd_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64,
                                             _I64, _I64, _I64, _F]),
+    "epd_extend_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
+                                            _I64, _I64, _F]),
     "epd_decode_stack": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F, _P, _P,
                                         _I64, _I64]),
     "epd_decode_scratch": (_I64, [_P, _I64]),

@@ -1,20 +1,12 @@
 /* Paged attention of the "cpu" backend (see epd_cpu.c for how the library is built). */
 #include "epd_common.h"
 
-/* Eight floats as one value (GCC/Clang vector extension: AVX on x86, NEON pairs on Arm). */
-typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* Pairwise sums of a and b: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]. */
 static inline v8 hadd8(v8 a, v8 b) {

@@ -8,6 +8,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Eight floats as one value (GCC/Clang vector extension: AVX on x86, NEON pairs on Arm). */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 #define VW 8 /* partial sums per reduction (8 beat 4 and 16 on the attention here) */
 
 /* Sum of VW partial sums as a tree (vectorizes; a serial chain would cost ~VW adds of
@@ -68,5 +77,8 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
                          const int32_t *tables, int64_t table_stride, const int32_t *lens,
                          const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
                          int64_t hkv, int64_t d, int64_t bs, float scale);
+int epd_extend_attention(float *out, const float *q, const float *kc, const float *vc,
+                         const int32_t *tables, int64_t table_stride, const int64_t *units,
+                         int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale);
 
 #endif

@@ -1,0 +1,118 @@
+"""Which native kernel takes which query rows of a step's attention (the cpu backend).
+
+Two kernels read the paged KV cache in place:
+
+- ``epd_decode_attention`` (csrc/epd_attention.c): one query row at a time, all heads,
+  over the row's whole causal prefix. Decode rows, and prefill chunks too short to tile.
+- ``epd_extend_attention`` (csrc/epd_extend.c): tiles of up to ``TILE_QUERIES`` query
+  vectors (consecutive positions of one sequence x the GQA group of one KV head) with an
+  online softmax, so every key read serves the whole tile. Prefill/extend chunks of any
+  context length.
+
+Chunks over a context longer than ``TILE_MAX_CONTEXT`` go to torch's SDPA, as do chunks
+of a shape the tile kernel does not take beyond ``ROW_EXTEND_MAX`` (below it, per row).
+The limits are measured (``bench/prefill_attention.py``): see ``docs/cpu-performance.md``,
+"Prefill attention".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.kernels import torch_backend as ref
+from services.kernels.metadata import AttentionMetadata
+
+TILE_QUERIES = 32  # XT_ROWS in epd_extend.c
+# Chunks of at least this many rows are tiled; shorter ones go row by row.
+TILE_MIN_ROWS = 2
+# Longest context the tile kernel takes; beyond, torch's SDPA (its larger query blocks
+# read a long context from L3 fewer times).
+TILE_MAX_CONTEXT = 1024
+# Longest context the per-row kernel takes for prefill rows when the tile kernel cannot
+# (its K/V, re-read by every row, stays in L2 at 4 KV heads x 64); beyond, SDPA's tiling.
+ROW_EXTEND_MAX = 1024
+
+
+def tile_kernel_takes(hq: int, hkv: int, d: int) -> bool:
+    """Shapes epd_extend_attention serves (its vector loops need d % 16 == 0)."""
+    return d % 16 == 0 and hq % hkv == 0 and hq // hkv <= TILE_QUERIES
+
+
+class AttentionPlan:
+    """Per-step inputs of the native attention, built by the first layer.
+
+    ``rows``/``seqs``/``lens``: one entry per query row of the per-row kernel, with its own
+    causal length. ``units``: [U, 5] int64 work units of the tile kernel (sequence, first
+    query row, rows, position of the first row, KV head). ``sdpa``: some sequence is left
+    to torch (``extend_rows`` from ``sdpa_min_context``).
+    """
+
+    def __init__(self, meta: AttentionMetadata, k_cache: torch.Tensor, hq: int):
+        num_blocks, block_size, hkv, d = k_cache.shape
+        self.shape = (hq, hkv, d)
+        self.starts = ref.query_starts(meta)
+        tile = tile_kernel_takes(hq, hkv, d)
+        # Every sequence with more than one row and at least this context goes to SDPA.
+        self.sdpa_min_context = (TILE_MAX_CONTEXT if tile else ROW_EXTEND_MAX) + 1
+        rows, seqs, lens, units, costs = [], [], [], [], []
+        self.sdpa = False
+        for b, (q, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            s = self.starts[b]
+            if q > 1 and ctx >= self.sdpa_min_context:
+                self.sdpa = True
+            elif q >= TILE_MIN_ROWS and tile:
+                _tile_units(units, costs, b, s, q, ctx, hq // hkv, hkv)
+            else:
+                rows.extend(range(s, s + q))
+                seqs.extend([b] * q)
+                lens.extend(range(ctx - q + 1, ctx + 1))
+        self.num_rows = len(rows)
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        self.seqs = torch.tensor(seqs, dtype=torch.int64)
+        self.lens = torch.tensor(lens, dtype=torch.int32)
+        self.units = torch.tensor(units, dtype=torch.int64).reshape(-1, 5)
+        self._costs = costs
+        self.tables = meta.block_tables.to(torch.int32).contiguous()
+        self._check(meta, num_blocks, block_size)
+
+    def _check(self, meta: AttentionMetadata, num_blocks: int, block_size: int) -> None:
+        """The kernels read raw memory: a bad table must fail here, not read out of bounds."""
+        width = self.tables.shape[1] if self.tables.dim() == 2 else 0
+        native = set(self.seqs.tolist()) | set(self.units[:, 0].tolist())
+        if native and (
+            max(meta.seq_lens_cpu[b] for b in native) > width * block_size
+            or self.tables.shape[0] < meta.num_seqs
+        ):
+            raise ValueError("attention: a context is longer than its block table")
+        if self.tables.numel() and not (
+            int(self.tables.min()) >= 0 and int(self.tables.max()) < num_blocks
+        ):
+            raise ValueError("attention: a block id outside the KV cache")
+
+    def unit_ranges(self, parts: int) -> list[tuple[int, int]]:
+        """Contiguous runs of units of about equal cost (keys x queries), one per thread."""
+        n = len(self._costs)
+        parts = max(1, min(parts, n))
+        if parts == 1:
+            return [(0, n)] if n else []
+        total, ranges, lo, acc = sum(self._costs), [], 0, 0
+        for i, c in enumerate(self._costs):
+            acc += c
+            if acc * parts >= total * (len(ranges) + 1) and len(ranges) < parts - 1:
+                ranges.append((lo, i + 1))
+                lo = i + 1
+        if lo < n:
+            ranges.append((lo, n))
+        return ranges
+
+
+def _tile_units(units: list, costs: list, b: int, start: int, q: int, ctx: int, g: int,
+                hkv: int) -> None:  # fmt: skip
+    """Cut sequence b's q rows (positions ctx - q .. ctx - 1) into tiles x KV heads."""
+    per = max(1, TILE_QUERIES // g)
+    for i in range(0, q, per):
+        m = min(per, q - i)
+        pos0 = ctx - q + i
+        for h in range(hkv):
+            units.append((b, start + i, m, pos0, h))
+            costs.append((pos0 + m) * (m * g + 8))  # + 8: a unit's fixed cost, in queries

@@ -1,0 +1,96 @@
+"""The tile kernel of prefill/extend attention (``csrc/epd_extend.c``) against torch.
+
+Ragged batches of several sequences: whole prompts and chunks whose query rows start
+mid-context, decode rows beside them, GQA ratios 1/2/4/8, head sizes 64 and 128, contexts
+across block boundaries and past 1,024 and 4,096 tokens; one and two threads. The plan
+(``cpu_attention``) must send each chunk where it says, and split work across threads
+without losing a unit.
+"""
+
+import pytest
+import torch
+
+from services.kernels import cpu_attention
+from services.kernels import torch_backend as ref
+from services.kernels.cpu_backend import CpuBackend
+from tests.unit.test_cpu_kernels import _meta
+
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def be(tmp_path_factory) -> CpuBackend:
+    backend = CpuBackend.create(str(tmp_path_factory.mktemp("kernels")))
+    assert backend is not None, "the native CPU kernels did not build (is a C compiler installed?)"
+    return backend
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def tile_everything(monkeypatch):
+    """Every chunk of two rows or more to the tile kernel, however long its context."""
+    monkeypatch.setattr(cpu_attention, "TILE_MAX_CONTEXT", 1 << 30)
+    monkeypatch.setattr(cpu_attention, "TILE_MIN_ROWS", 2)
+
+
+def _check(be, query_lens, seq_lens, hq, hkv, d, seed, bs=16):
+    gen = torch.Generator().manual_seed(seed)
+    nb = sum(-(-s // bs) for s in seq_lens) + 8
+    meta = _meta(query_lens, seq_lens, nb, bs, gen)
+    kc = torch.randn(nb, bs, hkv, d, generator=gen)
+    vc = torch.randn(nb, bs, hkv, d, generator=gen)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen)
+    got = be.attention(q, kc, vc, meta, d**-0.5)
+    plan = be._plan[1]
+    tiled = sorted(set(plan.units[:, 0].tolist()))
+    torch.testing.assert_close(got, ref.attention(q, kc, vc, meta, d**-0.5), **TOL)
+    return plan, tiled
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ragged_batches_match_torch(be, threads, tile_everything, g, d):
+    """Whole prompts, chunks starting mid-context (at and off block boundaries), decode rows."""
+    hkv = 2
+    query_lens = [1, 37, 16, 5, 1, 2, 70]
+    seq_lens = [50, 37, 16 + 32, 300, 17, 1030, 1100]
+    plan, tiled = _check(be, query_lens, seq_lens, g * hkv, hkv, d, seed=g * d)
+    assert tiled == [1, 2, 3, 5, 6] and plan.num_rows == 2 and not plan.sdpa
+
+
+@pytest.mark.parametrize("g,d", [(2, 64), (4, 128)])
+def test_contexts_past_4096(be, threads, tile_everything, g, d):
+    """A chunk deep into a 4,300-token context and a whole 1,100-token prompt."""
+    plan, tiled = _check(be, [40, 1100, 1], [4300, 1100, 4200], 4 * g, 4, d, seed=5)
+    assert tiled == [0, 1] and plan.num_rows == 1
+
+
+def test_the_plan_sends_long_contexts_to_sdpa_and_short_chunks_to_tiles(be):
+    """Default limits: past TILE_MAX_CONTEXT torch serves, below it tiles, decode rows per row."""
+    long_ctx = cpu_attention.TILE_MAX_CONTEXT + 100
+    plan, tiled = _check(be, [1, 2, 30, 12], [90, 40, 30, long_ctx], 8, 4, 64, seed=3)
+    assert tiled == [1, 2] and plan.sdpa and plan.num_rows == 1
+
+
+def test_head_sizes_the_tile_kernel_does_not_take_go_per_row(be):
+    plan, tiled = _check(be, [9, 1], [40, 20], 6, 2, 40, seed=4)
+    assert tiled == [] and plan.num_rows == 10 and not plan.sdpa
+
+
+def test_unit_ranges_cover_every_unit_once_at_about_equal_cost(be, tile_everything):
+    plan, _ = _check(be, [600, 3], [1800, 900], 8, 4, 64, seed=6)
+    n = plan.units.shape[0]
+    for parts in (1, 2, 3, 7):
+        ranges = plan.unit_ranges(parts)
+        assert len(ranges) == min(parts, n)
+        assert [lo for lo, _ in ranges] == [0] + [hi for _, hi in ranges[:-1]]
+        assert ranges[-1][1] == n
+    costs = [sum(plan._costs[lo:hi]) for lo, hi in plan.unit_ranges(2)]
+    assert max(costs) < 0.55 * sum(costs)
