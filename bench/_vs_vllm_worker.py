@@ -36,17 +36,19 @@ def digest(ids: list[int]) -> str:
 class Ours:
     """epd-serve's offline ``LLM``."""
 
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, config: dict | None = None) -> None:
         import torch
 
         from services import LLM, SamplingParams
 
         torch.set_num_threads(threads)
         self._params = SamplingParams
-        self.llm = LLM(model, kv_cache_memory_mb=KV_GIB * 1024, max_num_seqs=256,
-                       enable_prefix_caching=True)  # fmt: skip
+        kwargs = {"kv_cache_memory_mb": KV_GIB * 1024, "max_num_seqs": 256,
+                  "enable_prefix_caching": True, **(config or {})}  # fmt: skip
+        self.llm = LLM(model, **kwargs)
         eng = self.llm.engine
-        self.config = f"backend {eng.backend.name}, step budget {eng.step_tokens} tokens"
+        self.config = (f"backend {eng.backend.name}, step budget {eng.step_tokens} tokens, "
+                       f"extra {config or {}}")  # fmt: skip
 
     def run(self, prompts: list[list[int]], outputs: list[int]) -> list[list[int]]:
         """Output ids of one ``generate`` call, greedy, each to its own max_tokens."""
@@ -59,12 +61,13 @@ class Ours:
 class Vllm:
     """vLLM's offline ``LLM`` (CPU build), prompts as token ids, torch.compile at load."""
 
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, config: dict | None = None) -> None:
         from vllm import LLM, SamplingParams
 
         self._params = SamplingParams
         self.llm = LLM(model=model, dtype="float32", skip_tokenizer_init=True,
-                       max_model_len=2048, enable_prefix_caching=True, seed=0)  # fmt: skip
+                       max_model_len=2048, enable_prefix_caching=True, seed=0,
+                       **(config or {}))  # fmt: skip
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.config = (f"max_num_batched_tokens {sched.max_num_batched_tokens}, "
                        f"max_num_seqs {sched.max_num_seqs}")  # fmt: skip
@@ -98,10 +101,11 @@ def main() -> None:
     ap.add_argument("--system", choices=["ours", "vllm"], required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--config", type=json.loads, default={}, help="extra LLM(...) arguments")
     args = ap.parse_args()
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the systems (and their child processes) print goes to stderr
-    system = (Ours if args.system == "ours" else Vllm)(args.model, args.threads)
+    system = (Ours if args.system == "ours" else Vllm)(args.model, args.threads, args.config)
     # Warm-up over the prompt lengths the workloads use (first-use costs: oneDNN
     # primitives, vLLM's compiled shapes), so that a single round is already warm.
     system.run(workloads.random_prompts(random.Random(0), WARM_LENGTHS), [4] * len(WARM_LENGTHS))

@@ -43,7 +43,9 @@ class Result:
 
     ours: list[float] = field(default_factory=list)  # output tok/s per round
     vllm: list[float] = field(default_factory=list)
-    agree: tuple[int, int] | None = None  # (requests with equal outputs, requests)
+    base: list[float] = field(default_factory=list)  # our engine from --base-root
+    agree: tuple[int, int] | None = None  # (requests with equal outputs, requests): vLLM's
+    agree_base: tuple[int, int] | None = None  # the same against --base-root's
 
 
 def ratio_stats(ours: list[float], vllm: list[float]) -> tuple[float, float, float]:
@@ -73,6 +75,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-python", type=Path, help="vLLM's interpreter; without it, ours only")
     ap.add_argument("--workloads", default=",".join(workloads.DEFAULT),
                     help=f"comma-separated, of: {', '.join(workloads.NAMES)}")  # fmt: skip
+    ap.add_argument("--base-root", type=Path,
+                    help="A/B: also run our engine from this checkout (e.g. /work/main) as "
+                         "'base'; ours/base ratios are printed")  # fmt: skip
+    ap.add_argument(
+        "--ours-config",
+        type=json.loads,
+        default={},
+        help="extra LLM(...) arguments of ours, JSON: '{\"max_num_batched_tokens\": 4096}'",
+    )
+    ap.add_argument("--base-config", type=json.loads, default={}, help="the same for base")
     ap.add_argument("--rounds", type=int, default=1, help="rounds per workload and system")
     ap.add_argument("--rounds2", type=int, default=3, help="rounds of the 2-thread workloads")
     ap.add_argument("--cpus", default="0", help="taskset CPU list at 1 thread")
@@ -89,22 +101,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rounds and --rounds2 must be >= 1")
     if args.vllm_python is not None and not args.vllm_python.exists():
         ap.error(f"no interpreter at {args.vllm_python}")
+    if args.base_root is not None and not (args.base_root / "services").is_dir():
+        ap.error(f"no checkout of epd-serve at {args.base_root}")
     return args
 
 
 class Worker:
     """One system's worker process, pinned with taskset."""
 
-    def __init__(self, system: str, python: Path, model: Path, threads: int, cpus: str,
-                 log: Path) -> None:  # fmt: skip
+    def __init__(self, name: str, python: Path, model: Path, threads: int, cpus: str,
+                 log: Path, root: Path = HERE.parent, config: dict | None = None) -> None:  # fmt: skip
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1",
                    VLLM_NO_USAGE_STATS="1", OMP_NUM_THREADS=str(threads),
-                   PYTHONPATH=str(HERE.parent))  # fmt: skip
-        if system == "vllm":
+                   PYTHONPATH=str(root))  # fmt: skip
+        if name == "vllm":
             env.update(_vllm_env(python, threads, cpus))
         argv = ["taskset", "-c", cpus, str(python), str(HERE / "_vs_vllm_worker.py"),
-                "--system", system, "--model", str(model), "--threads", str(threads)]  # fmt: skip
-        self.name, self.log = system, log
+                "--system", "vllm" if name == "vllm" else "ours", "--model", str(model),
+                "--threads", str(threads), "--config", json.dumps(config or {})]  # fmt: skip
+        self.name, self.log = name, log
         # Its own session: the CPU time of its whole tree can be read (``cpu_seconds``).
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, text=True,
                                      stdout=subprocess.PIPE, stderr=log.open("w"),
@@ -164,15 +179,17 @@ def run_group(args, model: Path, threads: int, names: list[str],
     cpus = args.cpus if threads == 1 else args.cpus2
     rounds = args.rounds if threads == 1 else args.rounds2
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    systems = [("ours", Path(sys.executable))]
+    systems = [("ours", Path(sys.executable), HERE.parent, args.ours_config)]
+    if args.base_root is not None:
+        systems.append(("base", Path(sys.executable), args.base_root, args.base_config))
     if args.vllm_python is not None:
-        systems.append(("vllm", args.vllm_python))
+        systems.append(("vllm", args.vllm_python, HERE.parent, {}))
     workers = []
     try:
-        for name, python in systems:
+        for name, python, root, config in systems:
             t0 = time.perf_counter()
             log = args.log_dir / f"{name}-t{threads}.log"
-            workers.append(Worker(name, python, model, threads, cpus, log))
+            workers.append(Worker(name, python, model, threads, cpus, log, root, config))
             print(f"[{threads} thread(s), taskset {cpus}] {name} loaded in "
                   f"{time.perf_counter() - t0:.0f} s: {workers[-1].config}", flush=True)  # fmt: skip
         for r in range(rounds):
@@ -198,9 +215,10 @@ def _one_round(name: str, order: list[Worker], res: Result) -> None:
         busy = sum(o.cpu_seconds() for o in idle) - sum(before)
         print(f"  {name:<8} {w.name:<5} {rate:8.1f} tok/s ({reply['seconds']:.1f} s; "
               f"the other system used {busy:.1f} CPU s meanwhile)", flush=True)  # fmt: skip
-    if len(digests) == 2:
-        a, b = digests["ours"], digests["vllm"]
-        res.agree = (sum(x == y for x, y in zip(a, b, strict=True)), len(a))
+    for other, attr in (("vllm", "agree"), ("base", "agree_base")):
+        if other in digests:
+            a, b = digests["ours"], digests[other]
+            setattr(res, attr, (sum(x == y for x, y in zip(a, b, strict=True)), len(a)))
 
 
 def _rounds(xs: list[float]) -> str:
@@ -218,6 +236,11 @@ def report(results: dict[str, Result]) -> None:
             agree = f"{res.agree[0]}/{res.agree[1]}" if res.agree else "-"
             line += (f"  {max(res.vllm):9.1f} ({_rounds(res.vllm)})  {best:5.2f}x "
                      f"({low:.2f}-{high:.2f})  {agree}")  # fmt: skip
+        if res.base:
+            best, low, high = ratio_stats(res.ours, res.base)
+            agree = f"{res.agree_base[0]}/{res.agree_base[1]}"
+            line += (f"\n          base {max(res.base):9.1f} ({_rounds(res.base)}): ours/base "
+                     f"{best:5.2f}x ({low:.2f}-{high:.2f}), outputs equal {agree}")  # fmt: skip
         print(f"{line}\n          {workloads.build(name).title}")
     if not any(res.vllm for res in results.values()):
         return

@@ -88,3 +88,13 @@ def test_vllm_thread_binding_follows_the_taskset_list():
     assert vs_vllm._bind("0,1", 1) == "0"
     assert vs_vllm._bind("0,1", 2) == "0,1"
     assert vs_vllm._bind("2-3", 1) == "2"
+
+
+def test_parse_args_ab_options(tmp_path):
+    args = vs_vllm.parse_args(["--base-root", str(Path(__file__).resolve().parents[2]),
+                               "--ours-config", '{"max_num_batched_tokens": 4096}'])  # fmt: skip
+    assert args.ours_config == {"max_num_batched_tokens": 4096} and args.base_config == {}
+    with pytest.raises(SystemExit):
+        vs_vllm.parse_args(["--base-root", str(tmp_path)])  # no checkout there
+    with pytest.raises(SystemExit):
+        vs_vllm.parse_args(["--ours-config", "{not json"])
