@@ -10,6 +10,13 @@ from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
 from services.engine.sampler import sample
 from services.engine.spec_verify import num_accepted, verify_rows
+from services.engine.step_meta import (
+    attn_meta,
+    next_decode_meta,
+    out_rows,
+    to_tensor,
+    verify_rows_meta,
+)
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
 from services.outputs import TokenLogprobs
@@ -94,6 +101,7 @@ class ModelRunner:
     def prepare(self, scheduled) -> StepInputs:
         ids, pos, slots, qlens, seqlens, tables = [], [], [], [], [], []
         logits_idx, sample_seqs, sampling, mm_rows, drafts, spans = [], [], [], [], [], []
+        row_tables: list[list[int]] = []  # each row's block table (a verification's rows)
         bs = self.block_size
         for item in scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
@@ -105,6 +113,7 @@ class ModelRunner:
             qlens.append(n)
             seqlens.append(start + n)
             tables.append(req.block_ids)
+            row_tables.extend([req.block_ids] * n)
             spans.append((req.request_id, row0, n))
             if req.images:
                 mm_rows.extend(self._image_rows(req, start, start + n, row0))
@@ -113,60 +122,20 @@ class ModelRunner:
                 sample_seqs.extend([len(qlens) - 1] * (k + 1))
                 sampling.append(req)
                 drafts.append(item.draft_token_ids)
-        attn = self._attn_meta(qlens, seqlens, tables, slots)
+        if any(drafts) and len(logits_idx) == len(ids):  # a verification: every row samples
+            attn = verify_rows_meta(pos, row_tables, slots, self.device)
+            sample_seqs = list(range(len(ids)))
+        else:
+            attn = attn_meta(qlens, seqlens, tables, slots, self.device)
         return StepInputs(
-            input_ids=self._tensor(ids, torch.long),
-            positions=self._tensor(pos, torch.long),
+            input_ids=to_tensor(ids, torch.long, self.device),
+            positions=to_tensor(pos, torch.long, self.device),
             attn=attn,
-            out_rows=self._out_rows(logits_idx, sample_seqs, attn, pos),
+            out_rows=out_rows(logits_idx, sample_seqs, attn, pos, self.device),
             sampling=sampling,
             mm_rows=mm_rows,
             drafts=drafts,
             spans=spans,
-        )
-
-    def _out_rows(self, rows: list[int], seqs: list[int], attn, pos) -> OutputRows | None:
-        """Rows ``rows`` of sequences ``seqs`` (the last row of each sampling sequence;
-        with drafts, the last 1 + k), as one query each over its causal prefix."""
-        if len(rows) == attn.num_seqs and attn.max_query_len == 1:
-            return None
-        sel = self._tensor(seqs, torch.long)
-        lens = [pos[r] + 1 for r in rows]
-        meta = AttentionMetadata(
-            query_start_loc=self._tensor(list(range(len(seqs) + 1)), torch.int32),
-            # Several rows of one sequence (drafts) end at different positions.
-            seq_lens=self._tensor(lens, torch.int32)
-            if len(rows) > len(set(seqs))
-            else attn.seq_lens.index_select(0, sel),
-            block_tables=attn.block_tables.index_select(0, sel),
-            slot_mapping=self._tensor([], torch.long),
-            max_query_len=1 if seqs else 0,
-            max_seq_len=max(lens, default=0),
-            query_lens_cpu=[1] * len(seqs),
-            seq_lens_cpu=lens,
-        )
-        return OutputRows(self._tensor(rows, torch.long), meta)
-
-    def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-    def _attn_meta(self, qlens, seqlens, tables, slots) -> AttentionMetadata:
-        width = max((len(t) for t in tables), default=0)
-        # One tensor from padded lists: a tensor per row costs more at hundreds of requests.
-        rows = [t + [0] * (width - len(t)) for t in tables] if width else [[0]] * len(tables)
-        table = torch.tensor(rows, dtype=torch.int32).view(len(tables), max(width, 1))
-        starts = [0]
-        for q in qlens:
-            starts.append(starts[-1] + q)
-        return AttentionMetadata(
-            query_start_loc=self._tensor(starts, torch.int32),
-            seq_lens=self._tensor(seqlens, torch.int32),
-            block_tables=table.to(self.device, non_blocking=True),
-            slot_mapping=self._tensor(slots, torch.long),
-            max_query_len=max(qlens, default=0),
-            max_seq_len=max(seqlens, default=0),
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seqlens,
         )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,27 +240,11 @@ class ModelRunner:
         for s in range(steps):
             if s:
                 pos = pos + 1
-                meta = self._next_decode_meta(meta, pos)
+                meta = next_decode_meta(meta, pos, self.block_size)
             hidden = self.model(pos, self.model.embed(tokens), self.kv.layers, meta, None)
             tokens = self.model.greedy_tokens(hidden)
             out.append(tokens)
         return torch.stack(out)
-
-    def _next_decode_meta(self, meta: AttentionMetadata, pos: torch.Tensor) -> AttentionMetadata:
-        """A pure decode step's metadata one token on: longer contexts, the next slots."""
-        bs = self.block_size
-        blocks = meta.block_tables.gather(1, (pos // bs).view(-1, 1).to(torch.int64))
-        lens = [n + 1 for n in meta.seq_lens_cpu]
-        return AttentionMetadata(
-            query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens + 1,
-            block_tables=meta.block_tables,
-            slot_mapping=blocks.view(-1).to(torch.int64) * bs + pos % bs,
-            max_query_len=1,
-            max_seq_len=max(lens),
-            query_lens_cpu=meta.query_lens_cpu,
-            seq_lens_cpu=lens,
-        )
 
 
 def plain_greedy(req: Request) -> bool:

@@ -86,10 +86,14 @@ class Backend(Protocol):
         hidden: torch.Tensor,  # [B, H], the embeddings of the B new tokens
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,  # B sequences, one new token each
-    ) -> torch.Tensor | None:
+        aux_layers: tuple[int, ...] = (),  # layers whose outputs to return too
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """A whole decode step: the final-normed hidden states [B, H] with every layer's
         K/V written, or None when this backend has no such path for these inputs (the
-        model then runs its layers op by op; the results must agree)."""
+        model then runs its layers op by op; the results must agree). With
+        ``aux_layers``: (hidden, aux [B, len(aux_layers) * H]), aux as
+        ``DecoderModel.forward`` returns it. Several of the B rows may be one sequence's
+        (a verification, see ``services/engine/step_meta.py``)."""
 
     def decode_greedy(
         self,

@@ -141,8 +141,10 @@ class CpuBackend:
         return out
 
     # -- whole decode step -----------------------------------------------------------
-    def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta):
-        return self._native_stack.run(stack, positions, hidden, kv_caches, meta, self._run)
+    def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta,
+                     aux_layers: tuple[int, ...] = ()):  # fmt: skip
+        return self._native_stack.run(stack, positions, hidden, kv_caches, meta, self._run,
+                                      aux_layers)  # fmt: skip
 
     def decode_greedy(self, stack, embed, head, tokens, positions, kv_caches, meta, steps: int):
         return self._native_stack.run_greedy(stack, embed, head, tokens, positions, kv_caches,

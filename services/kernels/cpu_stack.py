@@ -101,6 +101,22 @@ class _StackPointers:
         )
 
 
+class _AuxOut:
+    """The outputs of ``layers`` (residual stream after the layer) that a step copies out,
+    rows concatenated in the order named, as ``DecoderModel.forward(aux_layers=...)``
+    returns them. ``ok`` is False for a layer the stack lacks or named twice."""
+
+    def __init__(self, stack: DecoderStack, m: int, layers: tuple[int, ...]):
+        n, hid = len(stack.layers), stack.hidden_size
+        self.ok = len(set(layers)) == len(layers) and all(0 <= i < n for i in layers)
+        self.out = torch.empty(m, len(layers) * hid, dtype=_F32) if layers and self.ok else None
+        self.stride = len(layers) * hid
+        cols = [-1] * n
+        for j, i in enumerate(layers if self.ok else ()):
+            cols[i] = j * hid
+        self.cols = torch.tensor(cols, dtype=torch.int64) if self.out is not None else None
+
+
 class NativeStack:
     """Runs DecoderStacks through epd_decode_stack, keeping the checked pointer table of
     the last one (a model's stack and KV caches stay the same from step to step)."""
@@ -154,25 +170,28 @@ class NativeStack:
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
             raise exc(msg)
 
-    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team):
+    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team,
+            aux_layers: tuple[int, ...] = ()):  # fmt: skip
         """``Backend.decode_stack``; ``run_team(fn, ranges)`` calls fn(lo, hi) for every
         range at once, one range on each of its threads."""
         m = hidden.shape[0]
         if hidden.dim() != 2 or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size:
             return None
         inputs = self._inputs(stack, m, positions, kv_caches, meta)
-        if inputs is None:
+        aux = _AuxOut(stack, m, aux_layers)
+        if inputs is None or not aux.ok:
             return None
         sp, pos, slots, tables, lens = inputs
         team = self._team()
         dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms)
         out = torch.empty_like(hidden)
         self._run_team(sp, team, lambda tid: self.lib.epd_decode_stack(
-            _ptr(out), _ptr(hidden), _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope),
-            _ptr(pos), _ptr(slots), _ptr(tables), _ptr(lens), _ptr(dims), stack.eps,
-            stack.head_dim**-0.5, _ptr(scratch), _ptr(sync), tid, team,
+            _ptr(out), _ptr(aux.out), _ptr(aux.cols), aux.stride, _ptr(hidden), _ptr(sp.table),
+            _ptr(stack.final_norm), _ptr(stack.rope), _ptr(pos), _ptr(slots), _ptr(tables),
+            _ptr(lens), _ptr(dims), stack.eps, stack.head_dim**-0.5, _ptr(scratch), _ptr(sync),
+            tid, team,
         ), run_team)  # fmt: skip
-        return out
+        return (out, aux.out) if aux_layers else out
 
     def run_greedy(self, stack: DecoderStack, embed, head, tokens, positions, kv_caches, meta,
                    steps: int, run_team):  # fmt: skip

@@ -267,7 +267,7 @@ class TorchBackend:
     greedy_head = staticmethod(greedy_head)
 
     @staticmethod
-    def decode_stack(stack, positions, hidden, kv_caches, meta) -> None:
+    def decode_stack(stack, positions, hidden, kv_caches, meta, aux_layers=()) -> None:
         return None  # no fused step: torch ops are already one call per layer op
 
     @staticmethod

@@ -141,8 +141,9 @@ class DecoderModel(nn.Module):
         """
         if aux_layers and keep is not None:
             raise ValueError("aux hidden states are captured for every row (no keep)")
-        if keep is None and meta.is_decode_only and not aux_layers:
-            out = self.backend.decode_stack(self._stack(rope), positions, h, kv_caches, meta)
+        if keep is None and meta.is_decode_only:
+            out = self.backend.decode_stack(self._stack(rope), positions, h, kv_caches, meta,
+                                            aux_layers)  # fmt: skip
             if out is not None:
                 return out
         residual = None

@@ -150,35 +150,52 @@ static int64_t gemv_team(float *y, const float *x, const float *wt, const float 
     return 0;
 }
 
-static int stack_step(float *out, const float *h, const int64_t *layers, const float *final_norm,
-                      const float *cs, const int64_t *pos, const int64_t *slots,
-                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
-                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt);
+/* Where a step copies the outputs of chosen layers (draft heads' inputs): layer l's output
+ * (residual stream after the layer) of row i goes to out + i * stride + cols[l] (cols[l] <
+ * 0: not captured). */
+typedef struct {
+    float *out;
+    const int64_t *cols;
+    int64_t stride;
+} aux_t;
 
-/* out[m, hidden] = final_norm(stack(h)) for m single-token sequences: row i is the token
- * at pos[i] of the sequence whose block table is tables + i * table_stride, its K/V goes to
- * cache slot slots[i] (negative: not written) and it attends to lens[i] positions. The
+static int stack_step(float *out, const aux_t *aux, const float *h, const int64_t *layers,
+                      const float *final_norm, const float *cs, const int64_t *pos,
+                      const int64_t *slots, const int32_t *tables, const int32_t *lens,
+                      const int64_t *dm, float eps, float scale, float *scratch, int64_t *sync,
+                      int64_t tid, int64_t nt);
+
+/* out[m, hidden] = final_norm(stack(h)) for m query rows: row i is the token at pos[i] of
+ * the sequence whose block table is tables + i * table_stride, its K/V goes to cache slot
+ * slots[i] (negative: not written) and it attends to lens[i] positions. Several rows may
+ * be one sequence's (a verification: consecutive positions, lens[i] = pos[i] + 1): every
+ * row's K/V is written before any row attends, so causality holds across them. The
  * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. scratch holds
  * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync four int64s (see team_sync),
  * zeroed or as a successful step left them; the nt threads of the team share both; this
- * is thread tid. Returns 0; -1 when scratch memory for the attention is short; -2, -3, -4
+ * is thread tid. With aux (else NULL), layer l's output of row i also goes to
+ * aux + i * aux_stride + aux_cols[l] when aux_cols[l] >= 0 (the inputs of a draft head).
+ * Returns 0; -1 when scratch memory for the attention is short; -2, -3, -4
  * for a position, a slot, a block table/length out of range; -5 when a teammate never
  * came. */
-int epd_decode_stack(float *out, const float *h, const int64_t *layers, const float *final_norm,
+int epd_decode_stack(float *out, float *aux, const int64_t *aux_cols, int64_t aux_stride,
+                     const float *h, const int64_t *layers, const float *final_norm,
                      const float *cs, const int64_t *pos, const int64_t *slots,
                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
     const int rc = check_step(dm, pos, slots, tables, lens); /* same verdict on every thread */
     if (rc) return rc;
-    return stack_step(out, h, layers, final_norm, cs, pos, slots, tables, lens, dm, eps, scale,
-                      scratch, sync, tid, nt);
+    const aux_t a = {aux, aux_cols, aux_stride};
+    return stack_step(out, aux ? &a : NULL, h, layers, final_norm, cs, pos, slots, tables, lens,
+                      dm, eps, scale, scratch, sync, tid, nt);
 }
 
 /* epd_decode_stack's step once its indices are checked. */
-static int stack_step(float *out, const float *h, const int64_t *layers, const float *final_norm,
-                      const float *cs, const int64_t *pos, const int64_t *slots,
-                      const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
-                      float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt) {
+static int stack_step(float *out, const aux_t *aux, const float *h, const int64_t *layers,
+                      const float *final_norm, const float *cs, const int64_t *pos,
+                      const int64_t *slots, const int32_t *tables, const int32_t *lens,
+                      const int64_t *dm, float eps, float scale, float *scratch, int64_t *sync,
+                      int64_t tid, int64_t nt) {
     const int64_t m = dm[D_ROWS], hid = dm[D_HIDDEN], hq = dm[D_HQ], hkv = dm[D_HKV];
     const int64_t d = dm[D_HEAD], inter = dm[D_INTER], bs = dm[D_BLOCK];
     const int64_t qs = hq * d, kvs = hkv * d, qkvw = qs + 2 * kvs;
@@ -221,10 +238,14 @@ static int stack_step(float *out, const float *h, const int64_t *layers, const f
                 memcpy(kc + slots[i] * kvs, ki, sizeof(float) * (size_t)kvs);
                 memcpy(vc + slots[i] * kvs, vi, sizeof(float) * (size_t)kvs);
             }
+        }
+        /* Every row's K/V is in the cache before any row attends: rows of one sequence (a
+         * verification's drafts) read each other's, whichever thread wrote them. */
+        if ((err = team_sync(sync, nt))) break;
+        for (int64_t i = tid; i < m; i += nt)
             if (epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE], lens + i, rows + i,
                                      rows + i, 1, hq, hkv, d, bs, scale))
                 team_fail(sync, -1);
-        }
         if ((err = team_sync(sync, nt))) break;
         err = gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt);
         if (err || (err = team_sync(sync, nt))) break;
@@ -240,6 +261,13 @@ static int stack_step(float *out, const float *h, const int64_t *layers, const f
         err = gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt);
         if (err || (err = team_sync(sync, nt))) break;
         cur = o;
+        /* The layer's output, MLP output + residual as the layer path sums it; each thread
+         * reads back only its own rows next, so no barrier. */
+        if (aux && aux->cols[l] >= 0)
+            for (int64_t i = tid; i < m; i += nt) {
+                float *dst = aux->out + i * aux->stride + aux->cols[l];
+                for (int64_t c = 0; c < hid; c++) dst[c] = o[i * hid + c] + resid[i * hid + c];
+            }
     }
     if (err) return (int)err;
     for (int64_t i = tid; i < m; i += nt)
@@ -298,8 +326,8 @@ int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float
         }
         for (int64_t i = tid; i < m; i += nt)
             memcpy(h + i * hid, embed + tok[i] * hid, sizeof(float) * (size_t)hid);
-        rc = stack_step(hn, h, layers, final_norm, cs, pos, slots, tables, lens, dm, eps, scale,
-                        scratch, sync, tid, nt);
+        rc = stack_step(hn, NULL, h, layers, final_norm, cs, pos, slots, tables, lens, dm, eps,
+                        scale, scratch, sync, tid, nt);
         if (rc) return rc;
         int64_t err = team_sync(sync, nt); /* every row's hidden state is in hn */
         if (err) return (int)err;
