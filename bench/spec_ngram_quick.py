@@ -6,7 +6,7 @@ greedy request in turns (interleaved, so load drifts hit both alike); prints tok
 each, the ratio and the mean acceptance length, and checks the tokens are identical.
 
     python -m bench.spec_ngram_quick --model DIR [--k 4] [--tokens 256] [--rounds 5]
-        [--threads N]
+        [--threads N] [--random-prompt N]
 
 On a loaded shared box use ``--threads 1``: torch's OpenMP team then stops spinning
 against other processes (a [5, 128] x [128, 384] matmul took 38 ms on 2 threads at load
@@ -14,13 +14,18 @@ against other processes (a [5, 128] x [128, 384] matmul took 38 ms on 2 threads 
 batch-1 decode kernels.
 
 The prompt is a piece of Python source written twice: a model that learned to copy
-continues it with a third copy, which prompt lookup drafts exactly.
+continues it with a third copy, which prompt lookup drafts exactly. ``--random-prompt N``
+instead feeds N random token ids (seed 0), for a checkpoint without a real tokenizer: a
+random-weight model's greedy continuation falls into runs of one repeated token, which
+prompt lookup drafts too (the peers checkpoint of /work/shared/peers.md, a weight-bound
+56 M-parameter Llama).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import random
 import statistics
 import time
 
@@ -30,7 +35,10 @@ from services.llm import LLM
 from services.sampling_params import SamplingParams
 
 
-def _prompt(llm: LLM) -> list[int]:
+def _prompt(llm: LLM, random_ids: int) -> list[int]:
+    if random_ids:
+        rng, vocab = random.Random(0), llm.engine.model.config.vocab_size
+        return [rng.randrange(3, vocab) for _ in range(random_ids)]
     text = inspect.getsource(statistics.median)
     return llm.tokenizer.encode(text + "\n\n" + text, add_special_tokens=False)
 
@@ -49,13 +57,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved runs of each")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--random-prompt", type=int, default=0, help="N random ids as the prompt")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
     plain = LLM(args.model, device="cpu", num_kv_blocks=256)
     spec = LLM(args.model, device="cpu", num_kv_blocks=256, speculative_config=spec_cfg)
-    prompt = _prompt(plain)
+    prompt = _prompt(plain, args.random_prompt)
     _run(plain, prompt, 8), _run(spec, prompt, 8)  # warm-up (kernels, allocations)
     times: dict[str, list[float]] = {"plain": [], "ngram": []}
     outs = {}

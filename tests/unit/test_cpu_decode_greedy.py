@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.kernels.cpu_backend import GEMV_MAX_ROWS
 from services.kernels.metadata import AttentionMetadata
 from services.kernels.torch_backend import TorchBackend
 from tests.unit.test_cpu_decode_stack import CASES, _llm, _step, decode_meta
@@ -92,8 +93,9 @@ def test_left_to_the_callers_loop(tiny_root):
     kv = llm.engine.kv
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        meta, pos = _burst_meta([3] * 5, 2, kv.num_blocks, gen)
-        assert be.decode_greedy(stack, embed, head, torch.ones(5, dtype=torch.long), pos,
+        n = GEMV_MAX_ROWS + 1
+        meta, pos = _burst_meta([3] * n, 2, kv.num_blocks, gen)
+        assert be.decode_greedy(stack, embed, head, torch.ones(n, dtype=torch.long), pos,
                                 kv.layers, meta, 2) is None  # fmt: skip
         meta, pos = _burst_meta([3], 2, kv.num_blocks, gen)
         one = torch.ones(1, dtype=torch.long)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services import LLM
+from services.kernels.cpu_backend import GEMV_MAX_ROWS
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata
 from services.kernels.torch_backend import TorchBackend
@@ -87,7 +88,7 @@ def _run(model, positions, h, caches, meta, fused: bool):
 @pytest.mark.parametrize(
     "kind,over", CASES, ids=[f"{k}{'-' if o else ''}{'-'.join(o)}" for k, o in CASES]
 )
-@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("rows", [1, 4, 9])  # 9: the GEMV's column tiles
 def test_fused_step_matches_layer_by_layer(tiny_root, threads, kind, over, rows):
     llm = _llm(tiny_root, kind, over)
     model, kv = llm.engine.model, llm.engine.kv
@@ -155,8 +156,9 @@ def test_left_to_the_layer_path(tiny_root, one_thread):
     model, kv, be = llm.engine.model, llm.engine.kv, llm.engine.backend
     stack = model.model._stack(model.rope)
     gen = torch.Generator().manual_seed(0)
-    meta, pos = _step([3] * 5, kv.num_blocks, gen)
-    h = torch.randn(5, model.config.hidden_size)
+    n = GEMV_MAX_ROWS + 1
+    meta, pos = _step([3] * n, kv.num_blocks, gen)
+    h = torch.randn(n, model.config.hidden_size)
     assert be.decode_stack(stack, pos, h, kv.layers, meta) is None
     meta, pos = _step([3], kv.num_blocks, gen)
     assert be.decode_stack(stack, pos, h[:1].double(), kv.layers, meta) is None
