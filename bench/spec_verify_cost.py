@@ -13,6 +13,10 @@ target's forward over a step's inputs, without the engine around it:
 - ``extend``: the verification as the extend path ran it before (B sequences of 1 + k
   query rows, the last layer on the kept rows only).
 
+``head``: the greedy verify's head and argmax over those rows through the backend's
+``greedy_head`` (the native GEMV + argmax up to its row cap) against torch's
+``F.linear`` + ``argmax`` (``torch head``).
+
 ``--rows`` also times the bare one-call step on that many one-token sequences against one
 (how the GEMV's cost grows with its rows). Contexts are ``--context`` tokens; K/V and
 weights are the checkpoint's (values do not change the cost).
@@ -81,6 +85,24 @@ def _timer(llm: LLM, b: int, q: int, ctx: int, mode: str):
     return run
 
 
+def _head_timers(llm: LLM, rows: int) -> dict:
+    """Greedy head of ``rows`` hidden states: the backend's against torch's."""
+    model, backend = llm.engine.model, llm.engine.backend
+    x = torch.randn(rows, model.config.hidden_size)
+    w = model._head()
+
+    def timed(fn):
+        def run() -> float:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+
+        return run
+
+    return {"head": timed(lambda: backend.greedy_head(x, w)),
+            "torch head": timed(lambda: torch.nn.functional.linear(x, w).argmax(-1))}  # fmt: skip
+
+
 def _median_ms(timers: dict, reps: int) -> dict[str, float]:
     for fn in timers.values():  # warm-up
         fn()
@@ -116,11 +138,13 @@ def main() -> None:
                 t = _median_ms({"plain": _timer(llm, b, 1, args.context, "plain"),
                                 "native": _timer(llm, b, q, args.context, "native"),
                                 "layers": _timer(llm, b, q, args.context, "layers"),
-                                "extend": _timer(llm, b, q, args.context, "extend")},
+                                "extend": _timer(llm, b, q, args.context, "extend"),
+                                **_head_timers(llm, b * q)},
                                args.reps)  # fmt: skip
                 print(f"batch {b} k={k} ({b * q} rows): plain {t['plain']:.3f} ms; verify " +
                       ", ".join(f"{m} {t[m]:.3f} ms ({t[m] / t['plain']:.2f}x)"
-                                for m in ("native", "layers", "extend")))  # fmt: skip
+                                for m in ("native", "layers", "extend", "head",
+                                          "torch head")))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,14 +38,23 @@ class NgramProposer:
         if k < 1 or length < self.min_n + 1:
             return []
         seq = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. length - n - 1: every occurrence before the suffix.
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the token after the most recent occurrence
-                ext = list(tokens)
-                for i in range(k):
-                    ext.append(ext[start + i])
-                return ext[length:]
-        return []
+        # Earlier occurrences of the last token (ending at p <= length - 2), then how far
+        # back each one matches the suffix: one pass over the tokens, not one per n.
+        ends = np.flatnonzero(seq[:-1] == seq[-1])
+        if ends.size == 0:
+            return []
+        match = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for j in range(1, min(self.max_n, length - 1)):
+            idx = ends - j
+            alive &= idx >= 0
+            alive[alive] = seq[idx[alive]] == seq[length - 1 - j]
+            match += alive
+        best = int(match.max())
+        if best < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(match == best)[-1]]) + 1  # the most recent longest
+        ext = list(tokens)
+        for i in range(k):
+            ext.append(ext[start + i])
+        return ext[length:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.engine.spec_ngram import NgramProposer
@@ -40,3 +42,29 @@ def test_protocol_and_batch() -> None:
     prop.free("a")
     with pytest.raises(ValueError):
         NgramProposer(2, 1)
+
+
+def _reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The rule spelled out: the longest suffix n-gram (hi .. lo) that occurred earlier,
+    its most recent occurrence, the tokens after it (the drafts extending a loop)."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for s in range(len(tokens) - n - 1, -1, -1):
+            if tokens[s : s + n] == suffix:
+                ext = list(tokens)
+                for i in range(k):
+                    ext.append(ext[s + n + i])
+                return ext[len(tokens) :]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lookup_matches_the_rule_on_random_tokens(seed) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randrange(1, 4)
+        hi = rng.randrange(lo, 6)
+        k = rng.randrange(0, 6)
+        want = _reference(tokens, k, lo, hi) if k else []
+        assert NgramProposer(lo, hi).lookup(tokens, k) == want, (tokens, k, lo, hi)
