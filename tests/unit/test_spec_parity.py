@@ -202,3 +202,14 @@ def test_head_that_does_not_fit_is_refused_at_start(llama, tmp_path, over, messa
     cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match=message):
         LLM(str(ckpt), device="cpu", num_kv_blocks=32, speculative_config=cfg)
+
+
+def test_torch_backend_verifies_row_by_row_too(llama):
+    """The torch backend has no one-call step: a verification's rows (one-token queries,
+    ``step_meta.verify_rows_meta``) go through its decode attention, still lossless."""
+    ckpt, _, _ = llama
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    plain = LLM(str(ckpt), device="cpu", num_kv_blocks=128, attention_backend="torch")
+    llm = spec_llm(ckpt, num_kv_blocks=128, attention_backend="torch")
+    assert tokens(llm, PROMPTS, greedy) == tokens(plain, PROMPTS, greedy)
+    assert llm.engine.spec.stats.accepted_tokens > 0
