@@ -1,8 +1,9 @@
 """Speculative verification through the cpu backend's one-call step (``decode_stack``,
 csrc/epd_decode.c): a verification described row by row (``verify_rows_meta``: each draft
 row a one-token query at its own position) gives, at one thread, bitwise the hidden
-states and K/V writes of the extend path the engine used before (sequences of 1 + k query
-rows, the last layer on the kept rows), and within fp32 rounding for a team; the outputs
+states and K/V writes of the layer path over the same rows (within fp32 rounding for a
+team), and the extend path's (sequences of 1 + k query rows, the last layer on the kept
+rows) within fp32 rounding: its tile kernel sums attention in another order. The outputs
 of named layers (draft heads' inputs) come out of the native step bitwise as the layer
 path captures them."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from services.engine.step_meta import attn_meta, out_rows, verify_rows_meta
-from tests.unit.test_cpu_decode_stack import BLOCK, CASES, _llm, _step
+from tests.unit.test_cpu_decode_stack import BLOCK, CASES, _llm, _run, _step
 
 CPU = torch.device("cpu")
 
@@ -38,10 +39,11 @@ def _verify_step(qs: list[int], ctx: list[int], num_blocks: int, gen):
     return torch.tensor(pos), rows, extend, keep
 
 
-def _caches(kv, gen):
+def _caches(kv, gen, copies: int = 2):
+    """``copies`` identical sets of random K/V caches."""
     base = [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
             for k, v in kv.layers]  # fmt: skip
-    return [(k.clone(), v.clone()) for k, v in base], [(k.clone(), v.clone()) for k, v in base]
+    return [[(k.clone(), v.clone()) for k, v in base] for _ in range(copies)]
 
 
 def _assert_same(a, b, threads: int) -> None:
@@ -63,7 +65,7 @@ def test_verify_rows_match_the_extend_path(tiny_root, threads, kind, over, qs):
                                       strict=True)]  # fmt: skip
     pos, rows, extend, keep = _verify_step(qs, ctx, kv.num_blocks, gen)
     h = torch.randn(len(pos), model.config.hidden_size, generator=gen)
-    caches_a, caches_b = _caches(kv, gen)
+    caches_a, caches_b, caches_c = _caches(kv, gen, 3)
     calls = []
     lib = llm.engine.backend.lib
     native = lib.epd_decode_stack
@@ -73,12 +75,16 @@ def test_verify_rows_match_the_extend_path(tiny_root, threads, kind, over, qs):
             fused = model(pos, h, caches_a, rows)
         finally:
             lib.epd_decode_stack = native
-        ref = model(pos, h, caches_b, extend, keep)  # the extend path: no native step
+        layers = _run(model, pos, h, caches_b, rows, fused=False)
+        by_seq = model(pos, h, caches_c, extend, keep)  # the extend path: no native step
     assert calls, "the native step did not run"
-    _assert_same(fused, ref, threads)
-    for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True):
+    _assert_same(fused, layers, threads)
+    torch.testing.assert_close(fused, by_seq, atol=1e-5, rtol=1e-4)
+    for (ka, va), (kb, vb), (kc, vc) in zip(caches_a, caches_b, caches_c, strict=True):
         _assert_same(ka, kb, threads)
         _assert_same(va, vb, threads)
+        torch.testing.assert_close(ka, kc, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(va, vc, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
