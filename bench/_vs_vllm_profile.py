@@ -9,7 +9,7 @@ phases and the CPU backend's ops with timers, runs the workload once and prints:
 - the step's phases: scheduling, input preparation, the model, the LM head + argmax,
   the scheduler's update, the engine's output processing (the rest of ``step``);
 - the model's ops (attention split into native rows and the per-sequence SDPA fallback
-  beyond ``NATIVE_EXTEND_MAX``), summed over layers.
+  beyond ``TILE_MAX_CONTEXT``), summed over layers.
 ``--cprofile`` also prints the top functions by own time (cProfile inflates Python's
 share; the phase timers are the figures to quote).
 """
@@ -32,11 +32,11 @@ import _vs_vllm_workloads as workloads  # noqa: E402
 from _vs_vllm_steps import STEPS, TIMES, report, timed  # noqa: E402
 from _vs_vllm_worker import WARM_LENGTHS, Ours  # noqa: E402
 
-from services.kernels.cpu_backend import NATIVE_EXTEND_MAX  # noqa: E402
+from services.kernels.cpu_attention import TILE_MAX_CONTEXT  # noqa: E402
 
 
 def _attention_kind(query, k_cache, v_cache, meta, scale) -> str:
-    sdpa = any(q > 1 and c > NATIVE_EXTEND_MAX
+    sdpa = any(q > 1 and c > TILE_MAX_CONTEXT
                for q, c in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True))  # fmt: skip
     return "op: attention (step with SDPA fallback)" if sdpa else "op: attention (native)"
 
