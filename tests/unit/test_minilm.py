@@ -1,0 +1,50 @@
+"""The lean MiniLM forward gives transformers' ``BertModel`` vectors (within 1e-5, what
+the semantic cache's accuracy figures may move by: none), one question or a padded batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache_svc.embedder import MAX_TOKENS, SentenceEmbedder
+
+DATA = Path(__file__).parents[1] / "data"
+
+
+@pytest.fixture(scope="module")
+def embedder() -> SentenceEmbedder:
+    return SentenceEmbedder()
+
+
+def _questions(n: int) -> list[str]:
+    rows = [json.loads(line) for line in (DATA / "semantic_cache_pairs.jsonl").read_text().splitlines()
+            if line.strip()]  # fmt: skip
+    return [q for r in rows[: n // 2] for q in (r["a"], r["b"])]
+
+
+@torch.inference_mode()
+def _reference(embedder: SentenceEmbedder, texts: list[str]) -> np.ndarray:
+    """The sentence-transformers recipe over transformers' own BertModel forward."""
+    batch = embedder.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS,
+                               return_tensors="pt")  # fmt: skip
+    hidden = embedder.model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, dim=-1).numpy()
+
+
+def test_one_question_at_a_time_matches_bert(embedder):
+    for text in _questions(16):
+        assert np.abs(embedder([text]) - _reference(embedder, [text])).max() < 1e-5
+
+
+def test_a_padded_batch_matches_bert(embedder):
+    texts = _questions(48) + ["a much longer question " * 12 + "about nothing in particular?"]
+    ours, ref = embedder(texts), _reference(embedder, texts)
+    assert ours.shape == (len(texts), 384)
+    assert np.abs(ours - ref).max() < 1e-5
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
