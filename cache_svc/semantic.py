@@ -171,14 +171,28 @@ class SemanticCache:
         return reply
 
     async def _lookup(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
-        key = await self.store.exact(q.exact_key)
-        if key is not None:
-            hit = await self._answer(key, q)
-            if hit is not None:
-                return bus_pb2.CacheLookupReply(hit=True, tier="exact", similarity=1.0, answer=hit)
-        if not q.text or q.exact_only:
+        # The question's embedding (the long part) starts beside the exact tier's read.
+        vec = None
+        if q.text and not q.exact_only:
+            vec = asyncio.ensure_future(embedding_of(q, self.embed))
+            vec.add_done_callback(lambda f: f.cancelled() or f.exception())  # read once
+        try:
+            key = await self.store.exact(q.exact_key)
+            hit = await self._answer(key, q) if key is not None else None
+        except BaseException:
+            if vec is not None:
+                vec.cancel()
+            raise
+        if hit is not None:
+            if vec is not None:
+                vec.cancel()
+            return bus_pb2.CacheLookupReply(hit=True, tier="exact", similarity=1.0, answer=hit)
+        if vec is None:
             return bus_pb2.CacheLookupReply()
-        vec = await embedding_of(q, self.embed)
+        return await self._semantic(q, await vec)
+
+    async def _semantic(self, q: bus_pb2.CacheQuery, vec: np.ndarray) -> bus_pb2.CacheLookupReply:
+        """The nearest stored questions of the fingerprint, best first, through the guard."""
         found = self.index.search(q.fingerprint, vec, _CANDIDATES, self.config.cache_threshold)
         entries = await self.store.entries([k for k, _ in found]) if found else []
         mine = facts(q.text)
