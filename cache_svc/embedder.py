@@ -11,6 +11,7 @@ together in the next one, in a worker thread (the event loop keeps serving the b
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -50,15 +51,30 @@ class SentenceEmbedder:
 
 
 class SentenceBatcher:
-    """``await embed(text)`` -> its vector; concurrent calls share model passes."""
+    """``await embed(text)`` -> its vector; concurrent calls share model passes, and the
+    last ``recent`` texts' vectors are kept: a miss's answer is stored under the question
+    its lookup just embedded, which then costs no second pass."""
 
-    def __init__(self, embedder: SentenceEmbedder, max_batch: int = 64):
+    def __init__(self, embedder: SentenceEmbedder, max_batch: int = 64, recent: int = 1024):
         self.embedder = embedder
         self.max_batch = max_batch
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._busy = False
+        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._recent_max = recent
 
     async def embed(self, text: str) -> np.ndarray:
+        vec = self._recent.get(text)
+        if vec is not None:
+            self._recent.move_to_end(text)
+            return vec
+        vec = await self._embed(text)
+        self._recent[text] = vec
+        if len(self._recent) > self._recent_max:
+            self._recent.popitem(last=False)
+        return vec
+
+    async def _embed(self, text: str) -> np.ndarray:
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((text, fut))
         if not self._busy:

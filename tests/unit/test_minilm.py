@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache_svc.embedder import MAX_TOKENS, SentenceEmbedder
+from cache_svc.embedder import MAX_TOKENS, SentenceBatcher, SentenceEmbedder
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -48,3 +48,21 @@ def test_a_padded_batch_matches_bert(embedder):
     assert ours.shape == (len(texts), 384)
     assert np.abs(ours - ref).max() < 1e-5
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+async def test_a_recent_question_is_not_embedded_again(embedder):
+    """The lookup of a miss embeds its question; the store of its answer reuses that."""
+    calls: list[list[str]] = []
+
+    def counting(texts: list[str]) -> np.ndarray:
+        calls.append(texts)
+        return embedder(texts)
+
+    batcher = SentenceBatcher(counting, recent=2)
+    first = await batcher.embed("how tall is the eiffel tower?")
+    again = await batcher.embed("how tall is the eiffel tower?")
+    assert len(calls) == 1 and np.array_equal(first, again)
+    await batcher.embed("b?")
+    await batcher.embed("c?")  # past the bound: the first question is forgotten
+    await batcher.embed("how tall is the eiffel tower?")
+    assert len(calls) == 4
