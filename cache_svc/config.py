@@ -34,6 +34,11 @@ class SemanticCacheConfig(FromEnv):
     # (one Redis read answers it in a millisecond or two; past it the workers start and
     # the full lookup races them).
     cache_exact_timeout_ms: float = 30.0
+    # Gateway: after an exact miss, how long the semantic lookup runs alone before the
+    # workers start (0: at once, racing it). A hit within it never starts them: on
+    # cores shared with the engine no prefill slows the lookup down or is thrown away;
+    # a miss's first token comes up to this much later.
+    cache_head_start_ms: float = 0.0
     # Gateway: how long a store may take (in the background, after the answer is sent).
     cache_store_timeout_ms: float = 1000.0
     # Cache service: a fingerprint's entries are searched exactly up to this many, then
@@ -48,5 +53,5 @@ class SemanticCacheConfig(FromEnv):
                      "cache_store_timeout_ms", "cache_ann_from"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.cache_tenant_quota < 0:
-            raise ValueError("cache_tenant_quota must be >= 0")
+        if self.cache_tenant_quota < 0 or self.cache_head_start_ms < 0:
+            raise ValueError("cache_tenant_quota and cache_head_start_ms must be >= 0")

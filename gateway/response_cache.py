@@ -136,6 +136,26 @@ class ResponseCache:
             self._drop_early(prep)
         return answer
 
+    async def head_start(self, prep: PreparedRequest) -> bus_pb2.CachedAnswer | None:
+        """After an exact miss: the full lookup's hit if it comes within
+        ``cache_head_start_ms`` (the workers then never start: no prefill competes with
+        the lookup for the cores, none is thrown away); else None, and the lookup goes
+        on beside the workers (``lookup(exact_only=False)`` takes it up)."""
+        early = self._early.get(id(prep))
+        wait_s = self.config.cache_head_start_ms / 1e3
+        if early is None or wait_s <= 0:
+            return None
+        try:
+            done, _ = await asyncio.wait({early}, timeout=wait_s)
+        except BaseException:
+            self._drop_early(prep)
+            raise
+        reply = early.result() if done else None
+        if reply is None or reply.HasField("error") or not reply.hit:
+            return None  # counted by the lookup that follows
+        self._early.pop(id(prep), None)
+        return self._answer(prep, reply, exact_only=False)
+
     def _drop_early(self, prep: PreparedRequest) -> None:
         early = self._early.pop(id(prep), None)
         if early is not None:

@@ -83,3 +83,37 @@ async def test_a_caller_that_gives_up_leaves_nothing_behind():
     await asyncio.gather(exact, return_exceptions=True)
     await asyncio.sleep(0)  # one loop turn: the cancellation reaches the full lookup
     assert sorted(client.cancelled) == [False, True] and not cache._early
+
+
+def _head_start(exact_hit: bool, ms: float):
+    cache, client, prep = _setup(exact_hit)
+    cache.config = SemanticCacheConfig(cache_head_start_ms=ms)
+    return cache, client, prep
+
+
+async def test_a_semantic_hit_within_the_head_start_never_starts_the_workers():
+    cache, client, prep = _head_start(exact_hit=False, ms=60_000)
+    client.release[True].set()
+    client.release[False].set()
+    assert await cache.lookup(prep, cache.query(prep), exact_only=True) is None
+    answer = await cache.head_start(prep)  # the caller starts no workers: it has the answer
+    assert answer is not None and prep.cache_status == "hit-semantic" and not cache._early
+
+
+async def test_past_the_head_start_the_lookup_goes_on_beside_the_workers():
+    cache, client, prep = _head_start(exact_hit=False, ms=1)
+    query = cache.query(prep)
+    client.release[True].set()
+    assert await cache.lookup(prep, query, exact_only=True) is None
+    assert await cache.head_start(prep) is None  # the full lookup is still held back
+    client.release[False].set()
+    answer = await cache.lookup(prep, query, exact_only=False)  # the same one, not a new one
+    assert answer is not None and client.sent == [True, False] and not cache._early
+
+
+async def test_no_head_start_by_default():
+    cache, client, prep = _setup(exact_hit=False)
+    client.release[True].set()
+    assert await cache.lookup(prep, cache.query(prep), exact_only=True) is None
+    assert await cache.head_start(prep) is None and id(prep) in cache._early
+    cache._drop_early(prep)
