@@ -28,6 +28,8 @@ class SpecStats:
     # Index i: drafts verified / accepted at draft position i (0 = the first draft).
     drafts_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    # The Prometheus children of each position (``labels`` looked up once, not per step).
+    _children: list[tuple] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -57,11 +59,14 @@ class SpecStats:
         SPEC_DRAFT_TOKENS.inc(num_drafts)
         SPEC_ACCEPTED_TOKENS.inc(num_accepted)
         while len(self.drafts_by_position) < num_drafts:
+            pos = str(len(self.drafts_by_position))
             self.drafts_by_position.append(0)
             self.accepted_by_position.append(0)
+            self._children.append((SPEC_DRAFTS_BY_POSITION.labels(pos),
+                                   SPEC_ACCEPTED_BY_POSITION.labels(pos)))  # fmt: skip
         for i in range(num_drafts):
             self.drafts_by_position[i] += 1
-            SPEC_DRAFTS_BY_POSITION.labels(str(i)).inc()
+            self._children[i][0].inc()
         for i in range(num_accepted):
             self.accepted_by_position[i] += 1
-            SPEC_ACCEPTED_BY_POSITION.labels(str(i)).inc()
+            self._children[i][1].inc()
