@@ -122,7 +122,8 @@ class ModelRunner:
                 sample_seqs.extend([len(qlens) - 1] * (k + 1))
                 sampling.append(req)
                 drafts.append(item.draft_token_ids)
-        if any(drafts) and len(logits_idx) == len(ids):  # a verification: every row samples
+        # A verification (every row samples) the backend runs in one call: row by row.
+        if any(drafts) and len(logits_idx) == len(ids) <= self.backend.stack_max_rows:
             attn = verify_rows_meta(pos, row_tables, slots, self.device)
             sample_seqs = list(range(len(ids)))
         else:

@@ -17,6 +17,9 @@ from services.kernels.metadata import AttentionMetadata, DecoderStack, SamplingT
 
 class Backend(Protocol):
     name: str
+    # Most rows ``decode_stack`` runs in one call (0: none). Up to this many, a
+    # verification goes in as one-token rows (``services/engine/step_meta.py``).
+    stack_max_rows: int
 
     def write_kv(
         self,

@@ -56,6 +56,7 @@ class CpuBackend:
     """Backend object (see ``services.kernels.backend``) over the native CPU kernels."""
 
     name = "cpu"
+    stack_max_rows = GEMV_MAX_ROWS
     write_kv = staticmethod(ref.write_kv)
 
     def __init__(self, lib: ctypes.CDLL):

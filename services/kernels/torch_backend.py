@@ -257,6 +257,7 @@ class TorchBackend:
     """Backend object over the functions above (see ``services.kernels.backend``)."""
 
     name = "torch"
+    stack_max_rows = 0  # no one-call step: verifications run as extends
     write_kv = staticmethod(write_kv)
     attention = staticmethod(attention)
     rms_norm = staticmethod(rms_norm)

@@ -204,9 +204,9 @@ def test_head_that_does_not_fit_is_refused_at_start(llama, tmp_path, over, messa
         LLM(str(ckpt), device="cpu", num_kv_blocks=32, speculative_config=cfg)
 
 
-def test_torch_backend_verifies_row_by_row_too(llama):
-    """The torch backend has no one-call step: a verification's rows (one-token queries,
-    ``step_meta.verify_rows_meta``) go through its decode attention, still lossless."""
+def test_torch_backend_verifies_as_extends(llama):
+    """The torch backend has no one-call step (``stack_max_rows`` 0): its verifications
+    run as extends, never row by row, and stay lossless."""
     ckpt, _, _ = llama
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     plain = LLM(str(ckpt), device="cpu", num_kv_blocks=128, attention_backend="torch")
