@@ -140,7 +140,7 @@ class GatewayCore:
             return self.backend.generate(prep), True
         cached = await self.cache.lookup(prep, query, exact_only=True)
         if cached is None:  # EPD_CACHE_HEAD_START_MS: a semantic hit that comes first
-            cached = await self.cache.head_start(prep)
+            cached = await self.cache.head_start(prep, query)
         if cached is not None:
             return replay(cached, len(prep.prompt_token_ids)), False
         events = self.backend.generate(prep)

@@ -90,7 +90,7 @@ class ResponseCache:
     def __init__(self, client: CacheClient, config: SemanticCacheConfig, model_fingerprint: str):
         self.client, self.config, self.model = client, config, model_fingerprint
         self._tasks: set[asyncio.Task] = set()
-        # Full lookups sent beside the exact-only one, by id() of their request.
+        # Full lookups sent by head_start, by id() of their request.
         self._early: dict[int, asyncio.Future] = {}
 
     def query(self, prep: PreparedRequest, reading: bool = True) -> bus_pb2.CacheQuery | None:
@@ -116,35 +116,26 @@ class ResponseCache:
     async def lookup(self, prep: PreparedRequest, query_of: bus_pb2.CacheQuery,
                      exact_only: bool) -> bus_pb2.CachedAnswer | None:  # fmt: skip
         """The cached answer of a request, if any (sets ``prep.cache_status``). An
-        exact-only lookup counts only its hits: the full one follows a miss.
+        exact-only lookup counts only its hits: the full one follows a miss (the one
+        ``head_start`` sent, when it did)."""
+        if exact_only:
+            return self._answer(prep, await self._ask(query_of, True), exact_only)
+        early = self._early.pop(id(prep), None)
+        reply = await (early if early is not None else self._ask(query_of, False))
+        return self._answer(prep, reply, exact_only)
 
-        The full lookup is sent together with the exact-only one (when there is a
-        question to embed): on an exact miss it is already under way, one bus round trip
-        sooner; an exact hit cancels it."""
-        if not exact_only:
-            early = self._early.pop(id(prep), None)
-            reply = await (early if early is not None else self._ask(query_of, False))
-            return self._answer(prep, reply, exact_only)
-        if query_of.text:
-            self._early[id(prep)] = asyncio.ensure_future(self._ask(query_of, False))
-        try:
-            answer = self._answer(prep, await self._ask(query_of, True), exact_only)
-        except BaseException:  # the caller gave up: so does the full lookup
-            self._drop_early(prep)
-            raise
-        if answer is not None:
-            self._drop_early(prep)
-        return answer
-
-    async def head_start(self, prep: PreparedRequest) -> bus_pb2.CachedAnswer | None:
+    async def head_start(self, prep: PreparedRequest,
+                         query_of: bus_pb2.CacheQuery) -> bus_pb2.CachedAnswer | None:  # fmt: skip
         """After an exact miss: the full lookup's hit if it comes within
         ``cache_head_start_ms`` (the workers then never start: no prefill competes with
         the lookup for the cores, none is thrown away); else None, and the lookup goes
-        on beside the workers (``lookup(exact_only=False)`` takes it up)."""
-        early = self._early.get(id(prep))
+        on beside the workers (``lookup(exact_only=False)`` takes it up). Sent only after
+        the exact miss: sent with the exact query, its embedding delayed the exact reply
+        that the workers wait for (+20 ms a miss, cache service on one core)."""
         wait_s = self.config.cache_head_start_ms / 1e3
-        if early is None or wait_s <= 0:
+        if wait_s <= 0 or not query_of.text:
             return None
+        early = self._early[id(prep)] = asyncio.ensure_future(self._ask(query_of, False))
         try:
             done, _ = await asyncio.wait({early}, timeout=wait_s)
         except BaseException:

@@ -1,6 +1,6 @@
-"""The gateway sends the full (semantic) lookup together with the exact-only one: an exact
-miss finds it already under way (one bus round trip sooner), an exact hit or a caller that
-gives up cancels it, and nothing is left behind."""
+"""EPD_CACHE_HEAD_START_MS: after an exact miss the full (semantic) lookup runs alone for
+that long; a hit within it is the answer (the workers never start), past it the same
+lookup goes on beside the workers, and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ class ScriptedCache:
         self.sent: list[bool] = []  # exact_only of each query, in order
         self.release = {True: asyncio.Event(), False: asyncio.Event()}
         self.cancelled: list[bool] = []
-        self.both_sent = asyncio.Event()
+        self.any_sent = asyncio.Event()
 
     async def lookup(self, query: bus_pb2.CacheQuery, timeout_s: float):
         self.sent.append(query.exact_only)
-        if len(self.sent) == 2:
-            self.both_sent.set()
+        self.any_sent.set()
         try:
             await self.release[query.exact_only].wait()
         except asyncio.CancelledError:
@@ -50,41 +49,6 @@ def _setup(exact_hit: bool) -> tuple[ResponseCache, ScriptedCache, PreparedReque
     return cache, client, prep
 
 
-async def test_an_exact_miss_finds_the_full_lookup_already_sent():
-    cache, client, prep = _setup(exact_hit=False)
-    query = cache.query(prep)
-    exact = asyncio.ensure_future(cache.lookup(prep, query, exact_only=True))
-    await client.both_sent.wait()  # the full lookup went out before the exact one answered
-    assert client.sent == [True, False]
-    client.release[True].set()
-    assert await exact is None and prep.cache_status == "miss"
-    client.release[False].set()
-    answer = await cache.lookup(prep, query, exact_only=False)
-    assert list(answer.choices[0].token_ids) == [5, 6] and prep.cache_status == "hit-semantic"
-    assert client.sent == [True, False] and not cache._early  # not asked twice
-
-
-async def test_an_exact_hit_cancels_the_full_lookup():
-    cache, client, prep = _setup(exact_hit=True)
-    exact = asyncio.ensure_future(cache.lookup(prep, cache.query(prep), exact_only=True))
-    await client.both_sent.wait()
-    client.release[True].set()
-    answer = await exact
-    await asyncio.sleep(0)  # one loop turn: the cancellation reaches the full lookup
-    assert answer is not None and prep.cache_status == "hit-exact"
-    assert client.cancelled == [False] and not cache._early
-
-
-async def test_a_caller_that_gives_up_leaves_nothing_behind():
-    cache, client, prep = _setup(exact_hit=False)
-    exact = asyncio.ensure_future(cache.lookup(prep, cache.query(prep), exact_only=True))
-    await client.both_sent.wait()
-    exact.cancel()
-    await asyncio.gather(exact, return_exceptions=True)
-    await asyncio.sleep(0)  # one loop turn: the cancellation reaches the full lookup
-    assert sorted(client.cancelled) == [False, True] and not cache._early
-
-
 def _head_start(exact_hit: bool, ms: float):
     cache, client, prep = _setup(exact_hit)
     cache.config = SemanticCacheConfig(cache_head_start_ms=ms)
@@ -93,11 +57,13 @@ def _head_start(exact_hit: bool, ms: float):
 
 async def test_a_semantic_hit_within_the_head_start_never_starts_the_workers():
     cache, client, prep = _head_start(exact_hit=False, ms=60_000)
+    query = cache.query(prep)
     client.release[True].set()
     client.release[False].set()
-    assert await cache.lookup(prep, cache.query(prep), exact_only=True) is None
-    answer = await cache.head_start(prep)  # the caller starts no workers: it has the answer
+    assert await cache.lookup(prep, query, exact_only=True) is None
+    answer = await cache.head_start(prep, query)  # the caller starts no workers: it has it
     assert answer is not None and prep.cache_status == "hit-semantic" and not cache._early
+    assert client.sent == [True, False]  # the full lookup only after the exact miss
 
 
 async def test_past_the_head_start_the_lookup_goes_on_beside_the_workers():
@@ -105,15 +71,26 @@ async def test_past_the_head_start_the_lookup_goes_on_beside_the_workers():
     query = cache.query(prep)
     client.release[True].set()
     assert await cache.lookup(prep, query, exact_only=True) is None
-    assert await cache.head_start(prep) is None  # the full lookup is still held back
+    assert await cache.head_start(prep, query) is None  # the full lookup is still held back
     client.release[False].set()
     answer = await cache.lookup(prep, query, exact_only=False)  # the same one, not a new one
     assert answer is not None and client.sent == [True, False] and not cache._early
 
 
+async def test_a_caller_that_gives_up_leaves_nothing_behind():
+    cache, client, prep = _head_start(exact_hit=False, ms=60_000)
+    waiting = asyncio.ensure_future(cache.head_start(prep, cache.query(prep)))
+    await client.any_sent.wait()  # the full lookup is out, held by the test
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await asyncio.sleep(0)  # one loop turn: the cancellation reaches the full lookup
+    assert client.cancelled == [False] and not cache._early
+
+
 async def test_no_head_start_by_default():
     cache, client, prep = _setup(exact_hit=False)
     client.release[True].set()
-    assert await cache.lookup(prep, cache.query(prep), exact_only=True) is None
-    assert await cache.head_start(prep) is None and id(prep) in cache._early
-    cache._drop_early(prep)
+    query = cache.query(prep)
+    assert await cache.lookup(prep, query, exact_only=True) is None
+    assert await cache.head_start(prep, query) is None
+    assert client.sent == [True] and not cache._early  # the full lookup waits for the caller
