@@ -51,7 +51,7 @@ def way(be: CpuBackend, name: str):
         return ref.attention
 
     def call(query, kc, vc, meta, scale):
-        names = ("TILE_MIN_ROWS", "TILE_MAX_CONTEXT", "ROW_EXTEND_MAX")
+        names = ("TILE_MIN_ROWS", "TILE_MAX_CONTEXT", "ROW_EXTEND_MAX")  # SDPA never
         old = [getattr(cpu_attention, n) for n in names]
         big = 1 << 30
         limits = (big, big, big) if name == "row" else (2, big, big)

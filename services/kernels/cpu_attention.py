@@ -9,13 +9,16 @@ Two kernels read the paged KV cache in place:
   online softmax, so every key read serves the whole tile. Prefill/extend chunks of any
   context length.
 
-Chunks over a context longer than ``TILE_MAX_CONTEXT`` go to torch's SDPA, as do chunks
-of a shape the tile kernel does not take beyond ``ROW_EXTEND_MAX`` (below it, per row).
+Chunks of ``SDPA_MIN_ROWS`` rows or more over a context longer than ``TILE_MAX_CONTEXT``
+go to torch's SDPA, as do chunks of a shape the tile kernel does not take beyond
+``ROW_EXTEND_MAX`` (below it, per row).
 The limits are measured (``bench/prefill_attention.py``): see ``docs/cpu-performance.md``,
 "Prefill attention".
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -25,9 +28,11 @@ from services.kernels.metadata import AttentionMetadata
 TILE_QUERIES = 32  # XT_ROWS in epd_extend.c
 # Chunks of at least this many rows are tiled; shorter ones go row by row.
 TILE_MIN_ROWS = 2
-# Longest context the tile kernel takes; beyond, torch's SDPA (its larger query blocks
-# read a long context from L3 fewer times).
+# Chunks of at least SDPA_MIN_ROWS rows over more than TILE_MAX_CONTEXT tokens go to
+# torch's SDPA: its 256-query blocks through MKL's GEMM beat the tiles there (2000 x 2000:
+# 100 against 110 ms), not on shorter chunks of long contexts (512 x 2000: 42 against 40).
 TILE_MAX_CONTEXT = 1024
+SDPA_MIN_ROWS = 1024
 # Longest context the per-row kernel takes for prefill rows when the tile kernel cannot
 # (its K/V, re-read by every row, stays in L2 at 4 KV heads x 64); beyond, SDPA's tiling.
 ROW_EXTEND_MAX = 1024
@@ -43,8 +48,8 @@ class AttentionPlan:
 
     ``rows``/``seqs``/``lens``: one entry per query row of the per-row kernel, with its own
     causal length. ``units``: [U, 5] int64 work units of the tile kernel (sequence, first
-    query row, rows, position of the first row, KV head). ``sdpa``: some sequence is left
-    to torch (``extend_rows`` from ``sdpa_min_context``).
+    query row, rows, position of the first row, KV head). ``sdpa_meta``: the step's metadata
+    with only the sequences left to torch's ``extend_rows`` keeping their rows, or None.
     """
 
     def __init__(self, meta: AttentionMetadata, k_cache: torch.Tensor, hq: int):
@@ -52,14 +57,13 @@ class AttentionPlan:
         self.shape = (hq, hkv, d)
         self.starts = ref.query_starts(meta)
         tile = tile_kernel_takes(hq, hkv, d)
-        # Every sequence with more than one row and at least this context goes to SDPA.
-        self.sdpa_min_context = (TILE_MAX_CONTEXT if tile else ROW_EXTEND_MAX) + 1
+        sdpa_ctx, sdpa_rows = (TILE_MAX_CONTEXT, SDPA_MIN_ROWS) if tile else (ROW_EXTEND_MAX, 2)
         rows, seqs, lens, units, costs = [], [], [], [], []
-        self.sdpa = False
+        sdpa_lens = [0] * meta.num_seqs  # query lengths of the sequences SDPA serves
         for b, (q, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             s = self.starts[b]
-            if q > 1 and ctx >= self.sdpa_min_context:
-                self.sdpa = True
+            if q >= max(sdpa_rows, 2) and ctx > sdpa_ctx:
+                sdpa_lens[b] = q
             elif q >= TILE_MIN_ROWS and tile:
                 _tile_units(units, costs, b, s, q, ctx, hq // hkv, hkv)
             else:
@@ -72,6 +76,8 @@ class AttentionPlan:
         self.lens = torch.tensor(lens, dtype=torch.int32)
         self.units = torch.tensor(units, dtype=torch.int64).reshape(-1, 5)
         self._costs = costs
+        # extend_rows serves every sequence of more than one row: the others get 0 here.
+        self.sdpa_meta = replace(meta, query_lens_cpu=sdpa_lens) if any(sdpa_lens) else None
         self.tables = meta.block_tables.to(torch.int32).contiguous()
         self._check(meta, num_blocks, block_size)
 

@@ -139,9 +139,8 @@ class CpuBackend:
 
         self._run(rows, self._split(plan.num_rows, 8))
         self._run(tiles, plan.unit_ranges(torch.get_num_threads()))
-        if plan.sdpa:
-            ref.extend_rows(query, k_cache, v_cache, meta, scale, out, plan.starts,
-                            min_context=plan.sdpa_min_context)  # fmt: skip
+        if plan.sdpa_meta is not None:
+            ref.extend_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts)
         return out
 
     # -- whole decode step -----------------------------------------------------------

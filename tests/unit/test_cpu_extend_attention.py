@@ -62,7 +62,7 @@ def test_ragged_batches_match_torch(be, threads, tile_everything, g, d):
     query_lens = [1, 37, 16, 5, 1, 2, 70]
     seq_lens = [50, 37, 16 + 32, 300, 17, 1030, 1100]
     plan, tiled = _check(be, query_lens, seq_lens, g * hkv, hkv, d, seed=g * d)
-    assert tiled == [1, 2, 3, 5, 6] and plan.num_rows == 2 and not plan.sdpa
+    assert tiled == [1, 2, 3, 5, 6] and plan.num_rows == 2 and plan.sdpa_meta is None
 
 
 @pytest.mark.parametrize("g,d", [(2, 64), (4, 128)])
@@ -72,16 +72,20 @@ def test_contexts_past_4096(be, threads, tile_everything, g, d):
     assert tiled == [0, 1] and plan.num_rows == 1
 
 
-def test_the_plan_sends_long_contexts_to_sdpa_and_short_chunks_to_tiles(be):
-    """Default limits: past TILE_MAX_CONTEXT torch serves, below it tiles, decode rows per row."""
+def test_the_plan_sends_long_chunks_of_long_contexts_to_sdpa(be, monkeypatch):
+    """Past TILE_MAX_CONTEXT, chunks of SDPA_MIN_ROWS rows go to torch, shorter ones to
+    tiles; decode rows per row."""
+    monkeypatch.setattr(cpu_attention, "SDPA_MIN_ROWS", 40)
     long_ctx = cpu_attention.TILE_MAX_CONTEXT + 100
-    plan, tiled = _check(be, [1, 2, 30, 12], [90, 40, 30, long_ctx], 8, 4, 64, seed=3)
-    assert tiled == [1, 2] and plan.sdpa and plan.num_rows == 1
+    plan, tiled = _check(be, [1, 2, 30, 12, 40], [90, 40, 30, long_ctx, long_ctx], 8, 4, 64,
+                         seed=3)  # fmt: skip
+    assert tiled == [1, 2, 3] and plan.num_rows == 1
+    assert plan.sdpa_meta.query_lens_cpu == [0, 0, 0, 0, 40]
 
 
 def test_head_sizes_the_tile_kernel_does_not_take_go_per_row(be):
     plan, tiled = _check(be, [9, 1], [40, 20], 6, 2, 40, seed=4)
-    assert tiled == [] and plan.num_rows == 10 and not plan.sdpa
+    assert tiled == [] and plan.num_rows == 10 and plan.sdpa_meta is None
 
 
 def test_unit_ranges_cover_every_unit_once_at_about_equal_cost(be, tile_everything):
