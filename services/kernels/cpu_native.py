@@ -25,8 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / f"epd_{name}.c" for name in ("cpu", "attention", "extend", "decode")]
-HEADERS = [CSRC / "epd_common.h"]
+SOURCES = [CSRC / f"epd_{name}.c" for name in ("cpu", "attention", "extend", "team", "decode")]
+HEADERS = [CSRC / "epd_common.h", CSRC / "epd_team.h"]
 # -fno-trapping-math: GCC then if-converts the float clamps of exp_approx, so the exp loops
 # (softmax, SiLU) vectorize (SiLU·mul was ~10x slower scalar); values are unchanged (no
 # kernel reads FP exception flags).

@@ -1,4 +1,4 @@
-/* Helpers shared by the native CPU kernels (epd_cpu.c, epd_attention.c): fp32, written so
+/* Helpers shared by the native CPU kernels (epd_*.c): fp32, written so
  * the compiler vectorizes them without -ffast-math. */
 #ifndef EPD_COMMON_H
 #define EPD_COMMON_H

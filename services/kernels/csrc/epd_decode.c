@@ -9,13 +9,11 @@
  * bitwise those of the op-by-op path.
  *
  * Several threads run a step as a team: every thread calls epd_decode_stack with its index;
- * each GEMV is split by weight rows (see gemv_team), the per-row ops (norms, rotary, K/V
+ * each GEMV is split by weight rows (see epd_team.c), the per-row ops (norms, rotary, K/V
  * writes, attention) by sequence, with a barrier between stages.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
 #include "epd_common.h"
-
-#include <time.h>
+#include "epd_team.h"
 
 /* Per-layer pointers, in this order (0 where a model has no such tensor). Weights are
  * W^T row-major ([in, out]), the layout models keep on CPU. */
@@ -64,128 +62,6 @@ int64_t epd_decode_scratch(const int64_t *dm, int64_t nt) {
     return own + nt * m * (max3(qs + 2 * kvs, hid, 2 * inter) + max3(hid, qs, inter));
 }
 
-#define TEAM_TIMEOUT_MS 30000 /* a teammate this late is gone: fail the step, never hang */
-
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static void team_fail(int64_t *sync, int64_t rc) {
-    int64_t zero = 0; /* the first error wins */
-    __atomic_compare_exchange_n(&sync[2], &zero, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-}
-
-/* Barrier of nt threads over sync = [arrived, generation, error, timeout in ms (0: the
- * default)]; returns the team's error (0 if none). Spins first (a stage ends within
- * microseconds of its neighbours'), then sleeps in short naps so that a teammate without
- * a CPU of its own can run, and gives up after the timeout. */
-static int64_t team_sync(int64_t *sync, int64_t nt) {
-    if (nt > 1) {
-        const int64_t gen = __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE);
-        if (__atomic_add_fetch(&sync[0], 1, __ATOMIC_ACQ_REL) == nt) {
-            __atomic_store_n(&sync[0], 0, __ATOMIC_RELAXED);
-            __atomic_store_n(&sync[1], gen + 1, __ATOMIC_RELEASE);
-        } else {
-            const struct timespec nap = {0, 20000};
-            const double limit = 1e-3 * (double)(sync[3] > 0 ? sync[3] : TEAM_TIMEOUT_MS);
-            double t0 = 0.0;
-            for (int64_t spins = 0; __atomic_load_n(&sync[1], __ATOMIC_ACQUIRE) == gen; spins++) {
-                if (spins < 2000) {
-#if defined(__x86_64__) || defined(__i386__)
-                    __builtin_ia32_pause();
-#endif
-                    continue;
-                }
-                nanosleep(&nap, NULL);
-                if (t0 == 0.0) t0 = seconds();
-                else if (spins % 64 == 0 && seconds() - t0 > limit) {
-                    team_fail(sync, -5);
-                    break;
-                }
-            }
-        }
-    }
-    return __atomic_load_n(&sync[2], __ATOMIC_ACQUIRE);
-}
-
-/* epd_gemv_t for more rows (a verification's): the same sums in the same order, so bitwise
- * its results, with the columns cut in tiles. epd_gemv_t streams eight weight rows once per
- * output row: past four rows that re-read (8 x n floats, up to ~90 KB) comes from L2;
- * here a tile's slice of the eight rows (8 KB) stays in L1 while every output row uses it. */
-#define GEMV_TILE 256
-static void gemv_rows(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
-                      const float *bias, int64_t m, int64_t k, int64_t n) {
-    if (m <= 4) {
-        epd_gemv_t(y, ldy, x, wt, ldw, bias, m, k, n);
-        return;
-    }
-    for (int64_t r = 0; r < m; r++) {
-        if (bias) memcpy(y + r * ldy, bias, sizeof(float) * (size_t)n);
-        else memset(y + r * ldy, 0, sizeof(float) * (size_t)n);
-    }
-    const int64_t g = k / 8, gs = g * ldw;
-    for (int64_t i = 0; i < g; i++) {
-        const float *w0 = wt + i * ldw, *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
-        const float *w4 = w3 + gs, *w5 = w4 + gs, *w6 = w5 + gs, *w7 = w6 + gs;
-        for (int64_t j0 = 0; j0 < n; j0 += GEMV_TILE) {
-            const int64_t j1 = j0 + GEMV_TILE < n ? j0 + GEMV_TILE : n;
-            for (int64_t r = 0; r < m; r++) {
-                const float *a = x + r * k + i;
-                const float a0 = a[0], a1 = a[g], a2 = a[2 * g], a3 = a[3 * g];
-                const float a4 = a[4 * g], a5 = a[5 * g], a6 = a[6 * g], a7 = a[7 * g];
-                float *yr = y + r * ldy;
-                for (int64_t j = j0; j < j1; j++)
-                    yr[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j] + a4 * w4[j] +
-                             a5 * w5[j] + a6 * w6[j] + a7 * w7[j];
-            }
-        }
-    }
-    for (int64_t kk = 8 * g; kk < k; kk++)
-        for (int64_t r = 0; r < m; r++) axpy(y + r * ldy, x[r * k + kk], wt + kk * ldw, n);
-}
-
-/* Scratch of a team's GEMVs: per thread, partial outputs [m, n] and its slice of x. */
-typedef struct {
-    float *part, *xs;
-    int64_t part_stride, xs_stride; /* floats per thread */
-    int64_t *sync;
-} team_t;
-
-/* y[m, :n] = x[m, :k] @ wt (+ bias) by a team. One thread: epd_gemv_t. Several: thread t
- * streams its own run of wt's k rows into a partial output, then sums every partial over
- * its own slice of the columns. Splitting the rows keeps each thread's read long and
- * sequential (a column split cuts every row into short pieces: no faster than one
- * thread); the sum's order depends on the team's size, so results do too, in the last
- * bits. */
-static int64_t gemv_team(float *y, const float *x, const float *wt, const float *bias,
-                         int64_t m, int64_t k, int64_t n, const team_t *tm, int64_t tid,
-                         int64_t nt) {
-    if (nt == 1) {
-        gemv_rows(y, n, x, wt, n, bias, m, k, n);
-        return 0;
-    }
-    const int64_t lo = k * tid / nt, hi = k * (tid + 1) / nt;
-    float *part = tm->part + tid * tm->part_stride, *xs = tm->xs + tid * tm->xs_stride;
-    for (int64_t r = 0; r < m; r++)
-        memcpy(xs + r * (hi - lo), x + r * k + lo, sizeof(float) * (size_t)(hi - lo));
-    gemv_rows(part, n, xs, wt + lo * n, n, NULL, m, hi - lo, n);
-    const int64_t err = team_sync(tm->sync, nt);
-    if (err) return err;
-    const int64_t chunk = ((n + nt - 1) / nt + 15) / 16 * 16;
-    const int64_t c0 = tid * chunk < n ? tid * chunk : n, c1 = c0 + chunk < n ? c0 + chunk : n;
-    for (int64_t r = 0; r < m; r++) {
-        float *yr = y + r * n;
-        for (int64_t j = c0; j < c1; j++) yr[j] = bias ? bias[j] : 0.f;
-        for (int64_t t = 0; t < nt; t++) {
-            const float *pr = tm->part + t * tm->part_stride + r * n;
-            for (int64_t j = c0; j < c1; j++) yr[j] += pr[j];
-        }
-    }
-    return 0;
-}
-
 /* Where a step copies the outputs of chosen layers (draft heads' inputs): layer l's output
  * (residual stream after the layer) of row i goes to out + i * stride + cols[l] (cols[l] <
  * 0: not captured). */
@@ -207,7 +83,7 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
  * be one sequence's (a verification: consecutive positions, lens[i] = pos[i] + 1): every
  * row's K/V is written before any row attends, so causality holds across them. The
  * rotary table cs is [max_pos, rot] (cos | sin), NeoX style. scratch holds
- * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync four int64s (see team_sync),
+ * epd_decode_scratch(dm, nt) floats (8-byte aligned) and sync four int64s (see epd_team_sync),
  * zeroed or as a successful step left them; the nt threads of the team share both; this
  * is thread tid. With aux (else NULL), layer l's output of row i also goes to
  * aux + i * aux_stride + aux_cols[l] when aux_cols[l] >= 0 (the inputs of a draft head).
@@ -256,9 +132,9 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
                              P(L, L_IN_NORM), 1, hid, eps);
             }
         }
-        if ((err = team_sync(sync, nt))) break;
-        err = gemv_team(qkv, x, P(L, L_QKV_WT), P(L, L_QKV_B), m, hid, qkvw, &tm, tid, nt);
-        if (err || (err = team_sync(sync, nt))) break;
+        if ((err = epd_team_sync(sync, nt))) break;
+        err = epd_gemv_team(qkv, x, P(L, L_QKV_WT), P(L, L_QKV_B), m, hid, qkvw, &tm, tid, nt);
+        if (err || (err = epd_team_sync(sync, nt))) break;
         float *kc = (float *)(intptr_t)L[L_K_CACHE], *vc = (float *)(intptr_t)L[L_V_CACHE];
         for (int64_t i = tid; i < m; i += nt) {
             float *qi = q + i * qs, *ki = k + i * kvs;
@@ -277,25 +153,25 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
         }
         /* Every row's K/V is in the cache before any row attends: rows of one sequence (a
          * verification's drafts) read each other's, whichever thread wrote them. */
-        if ((err = team_sync(sync, nt))) break;
+        if ((err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             if (epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE], lens + i, rows + i,
                                      rows + i, 1, hq, hkv, d, bs, scale))
-                team_fail(sync, -1);
-        if ((err = team_sync(sync, nt))) break;
-        err = gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt);
-        if (err || (err = team_sync(sync, nt))) break;
+                epd_team_fail(sync, -1);
+        if ((err = epd_team_sync(sync, nt))) break;
+        err = epd_gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt);
+        if (err || (err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             epd_rms_norm(x + i * hid, resid + i * hid, o + i * hid, resid + i * hid,
                          P(L, L_POST_NORM), 1, hid, eps);
-        if ((err = team_sync(sync, nt))) break;
-        err = gemv_team(gu, x, P(L, L_GU_WT), P(L, L_GU_B), m, hid, 2 * inter, &tm, tid, nt);
-        if (err || (err = team_sync(sync, nt))) break;
+        if ((err = epd_team_sync(sync, nt))) break;
+        err = epd_gemv_team(gu, x, P(L, L_GU_WT), P(L, L_GU_B), m, hid, 2 * inter, &tm, tid, nt);
+        if (err || (err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             epd_silu_mul(act + i * inter, gu + i * 2 * inter, 1, inter);
-        if ((err = team_sync(sync, nt))) break;
-        err = gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt);
-        if (err || (err = team_sync(sync, nt))) break;
+        if ((err = epd_team_sync(sync, nt))) break;
+        err = epd_gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt);
+        if (err || (err = epd_team_sync(sync, nt))) break;
         cur = o;
         /* The layer's output, MLP output + residual as the layer path sums it; each thread
          * reads back only its own rows next, so no barrier. */
@@ -365,13 +241,13 @@ int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float
         rc = stack_step(hn, NULL, h, layers, final_norm, cs, pos, slots, tables, lens, dm, eps,
                         scale, scratch, sync, tid, nt);
         if (rc) return rc;
-        int64_t err = team_sync(sync, nt); /* every row's hidden state is in hn */
+        int64_t err = epd_team_sync(sync, nt); /* every row's hidden state is in hn */
         if (err) return (int)err;
         if (head_transposed)
             epd_gemv_t(logits + lo, vocab, hn, head + lo, vocab, NULL, m, hid, hi - lo);
         else
             epd_gemv_rm(logits + lo, vocab, hn, head + lo * hid, hid, NULL, m, hid, hi - lo);
-        if ((err = team_sync(sync, nt))) return (int)err;
+        if ((err = epd_team_sync(sync, nt))) return (int)err;
         epd_argmax(tok, logits, m, vocab);
         if (tid == 0)
             for (int64_t i = 0; i < m; i++) tokens_out[s * m + i] = tok[i];
