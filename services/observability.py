@@ -51,7 +51,9 @@ class ObservabilityConfig(FromEnv):
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         self.log_level = self.log_level.upper()
         if self.log_level not in _LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(_LEVELS)}, got {self.log_level!r}")
+            raise ValueError(
+                f"log_level must be one of {', '.join(_LEVELS)}, got {self.log_level!r}"
+            )
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
