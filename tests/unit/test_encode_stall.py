@@ -15,35 +15,9 @@ from gateway.attempt import WorkerLost, while_alive
 from gateway.encode import ImageEncoder
 from protos.epd_pb import bus_pb2
 from services.bus.heartbeat import InstanceRegistry
+from tests.helpers.stall_watch import Clock, Watch
 
 STALL_S = 30.0
-
-
-class Clock:
-    """The registry's clock: time.monotonic (what the gateway measures with) plus an
-    offset the test sets."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.offset
-
-
-class Watch:
-    """The backend's answers (gateway/disaggregated.py), from a real registry."""
-
-    def __init__(self, registry: InstanceRegistry) -> None:
-        self.registry = registry
-
-    def alive(self, role: str, instance_id: str) -> bool:
-        return any(i.instance_id == instance_id for i in self.registry.live(role))
-
-    def progressed_at(self, role: str, instance_id: str) -> float | None:
-        return self.registry.progressed_at(role, instance_id)
-
-    async def answers_ping(self, role: str, instance_id: str) -> bool:
-        return True
 
 
 def _encoder(clock: Clock, steps_then: int, steps_now: int) -> ImageEncoder:
