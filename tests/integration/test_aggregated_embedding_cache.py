@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
@@ -16,26 +14,8 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.models.info import ModelInfo
 from services.tokenization import load_tokenizer
-from tests.helpers.checkpoints import make_llava_checkpoint, random_image
-
-
-def png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    random_image(seed).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-class Tower:
-    """Counts the vision-tower passes of a backend (wraps its real encode function)."""
-
-    def __init__(self, backend: AggregatedBackend) -> None:
-        self.passes = 0
-        self._encode = backend.images.encode
-        backend.images.encode = self
-
-    async def __call__(self, data: bytes) -> torch.Tensor:
-        self.passes += 1
-        return await self._encode(data)
+from tests.helpers.checkpoints import make_llava_checkpoint
+from tests.helpers.tower import Tower, png
 
 
 @pytest.fixture(scope="module")

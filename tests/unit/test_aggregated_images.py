@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 
 import pytest
@@ -20,26 +19,7 @@ from services.localstack import free_port
 from services.models.info import ModelInfo
 from services.sampling_params import SamplingParams
 from services.tokenization import load_tokenizer
-from tests.helpers.checkpoints import random_image
-
-
-def png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    random_image(seed).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-class Tower:
-    """Counts the vision-tower passes of a backend (wraps its real encode function)."""
-
-    def __init__(self, backend: AggregatedBackend) -> None:
-        self.passes = 0
-        self._encode = backend.images.encode
-        backend.images.encode = self
-
-    async def __call__(self, data: bytes) -> torch.Tensor:
-        self.passes += 1
-        return await self._encode(data)
+from tests.helpers.tower import Tower, png
 
 
 @pytest.fixture
