@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.kernels.cpu_backend import CpuBackend
 from tests.helpers.checkpoints import make_llava_checkpoint, make_text_checkpoint
 
 
@@ -33,3 +34,11 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def be(tmp_path_factory) -> CpuBackend:
+    """The cpu backend with its native kernels built (a module's own build directory)."""
+    backend = CpuBackend.create(str(tmp_path_factory.mktemp("kernels")))
+    assert backend is not None, "the native CPU kernels did not build (is a C compiler installed?)"
+    return backend

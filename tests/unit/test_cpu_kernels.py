@@ -17,17 +17,9 @@ import torch.nn.functional as F
 from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
 from services.kernels.backend import get_backend
-from services.kernels.cpu_backend import CpuBackend
 from services.kernels.metadata import AttentionMetadata
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
-
-
-@pytest.fixture(scope="module")
-def be(tmp_path_factory) -> CpuBackend:
-    backend = CpuBackend.create(str(tmp_path_factory.mktemp("kernels")))
-    assert backend is not None, "the native CPU kernels did not build (is a C compiler installed?)"
-    return backend
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
