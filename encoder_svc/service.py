@@ -4,7 +4,8 @@ Takes ``epd.encode.<model>`` requests in a queue group (any replica may answer),
 ``epd.encoder.<fp>.<id>`` those whose image was sent ahead to this instance's blob inbox. A
 repeated image costs one Redis GET; concurrent requests for the same image encode it
 once. When Redis cannot hold an embedding, it goes to the request's prefill instance as
-a blob (services/bus/blobs.py).
+a blob (services/bus/blobs.py). An in-process LRU behind Redis keeps a repeat from being
+encoded again when Redis lost or never took its embedding (down, slow, evicted).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 
 import torch
 
+from cache_svc.embedding_lru import DEFAULT_BYTES, EmbeddingLRU
 from cache_svc.embedding_store import (
     EmbeddingStore,
     EmbeddingStoreConfig,
@@ -58,6 +60,7 @@ class EncoderService(Service):
         self.engine_config = engine_config
         self.store = self.blobs = None
         self.flight: SingleFlight[str, torch.Tensor] = SingleFlight()
+        self.recent = EmbeddingLRU(DEFAULT_BYTES)
 
     async def load(self) -> None:
         # In a thread: the loop keeps answering signals while the weights load.
@@ -102,6 +105,7 @@ class EncoderService(Service):
 
     async def _encode_and_store(self, image, digest: str) -> tuple[torch.Tensor, bool]:
         emb = await self.batcher.submit(image)
+        self.recent.put(digest, emb)
         stored = await self.store.put(self.fingerprint, digest, emb)
         if stored:
             EMBEDDING_CACHE_BYTES.inc(emb.numel() * emb.element_size())
@@ -126,6 +130,11 @@ class EncoderService(Service):
             EMBEDDING_CACHE_HITS.inc()
             reply.num_tokens = emb.shape[0]
             return await self._push(req, reply, emb) if req.push_to_prefill else reply
+        emb = self.recent.get(req.image_hash) if req.prefill_instance_id else None
+        if emb is not None:  # encoded here, but not in Redis: to the prefill instance
+            EMBEDDING_CACHE_HITS.inc()
+            reply.num_tokens = emb.shape[0]
+            return await self._push(req, reply, emb)
         try:
             data = await self._image_bytes(req)
         except BusError as e:

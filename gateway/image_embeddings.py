@@ -12,11 +12,11 @@ never a failure; concurrent requests for one image encode it once (singleflight)
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import torch
 
+from cache_svc.embedding_lru import DEFAULT_BYTES, EmbeddingLRU
 from cache_svc.embedding_store import EmbeddingStore
 from services.engine.request import ImageSpan
 from services.metrics import (
@@ -33,42 +33,11 @@ log = logging.getLogger(__name__)
 EncodeFn = Callable[[bytes], Awaitable[torch.Tensor]]
 
 
-class EmbeddingLRU:
-    """Embeddings by image hash, least recently used evicted past ``max_bytes``."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, key: str) -> torch.Tensor | None:
-        emb = self._items.get(key)
-        if emb is not None:
-            self._items.move_to_end(key)
-        return emb
-
-    def put(self, key: str, emb: torch.Tensor) -> None:
-        size = emb.numel() * emb.element_size()
-        if size > self.max_bytes:
-            return  # one entry may not flush the whole cache
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= old.numel() * old.element_size()
-        self._items[key] = emb
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, gone = self._items.popitem(last=False)
-            self.bytes -= gone.numel() * gone.element_size()
-
-
 class ImageEmbeddings:
     """``embeddings(images, spans)`` -> one tensor per image, the tower run only on misses."""
 
     def __init__(self, encode: EncodeFn, store: EmbeddingStore | None, fingerprint: str,
-                 hidden: int, dtype: torch.dtype, lru_bytes: int = 256 << 20) -> None:  # fmt: skip
+                 hidden: int, dtype: torch.dtype, lru_bytes: int = DEFAULT_BYTES) -> None:  # fmt: skip
         """``store`` None: no Redis (the LRU alone); ``hidden``/``dtype``: the language
         model's, which a stored value must match to be used."""
         self.encode = encode

@@ -104,3 +104,17 @@ async def test_an_embedding_over_max_payload_reaches_prefill_with_redis_down(red
     assert [c.token_ids for c in ours.choices] == [c.token_ids for c in ref.choices]
     assert len(ours.choices) == 2 and ours.usage.prompt_tokens > 1024
     assert disagg.prefill.blobs.received - before == 1
+
+
+async def test_a_repeat_with_redis_down_is_not_encoded_again(redis_down_stack):
+    # Redis never took the embedding; the encoder's own LRU answers the repeat, pushing
+    # the embedding to prefill again.
+    disagg, agg = redis_down_stack
+    req = chat([noise(90, 60, "PNG", seed=4)], max_tokens=3)
+    before_enc, before_blobs = IMAGES_ENCODED._value.get(), disagg.prefill.blobs.received
+    first = await disagg.stub.GenerateOnce(req, timeout=120)
+    again = await disagg.stub.GenerateOnce(req, timeout=120)
+    assert IMAGES_ENCODED._value.get() - before_enc == 1
+    assert disagg.prefill.blobs.received - before_blobs == 2
+    ref = await agg.stub.GenerateOnce(req, timeout=120)
+    assert first.token_ids == again.token_ids == ref.token_ids

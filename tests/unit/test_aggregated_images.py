@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from cache_svc.embedding_lru import EmbeddingLRU
 from cache_svc.embedding_store import EmbeddingStoreConfig
 from gateway.aggregated import AggregatedBackend
-from gateway.image_embeddings import EmbeddingLRU
 from gateway.prepare import PreparedRequest, RequestPreparer
 from services.config import EngineConfig
 from services.engine.async_engine import AsyncEngine
