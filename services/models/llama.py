@@ -21,6 +21,7 @@ from services.kernels.metadata import (
 )
 from services.models.loader import CheckpointError, copy_param
 from services.models.rope import cos_sin_cache
+from services.models.weight_layout import column_major_linears
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -210,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("rope", cos_sin_cache(cfg, attn.head_dim, max_positions), False)
-        _column_major_linears(self)
+        column_major_linears(self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)  # no module-call overhead
@@ -271,20 +272,6 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(name)
         if missing:
             raise CheckpointError(f"weights missing from the checkpoint: {missing[:8]}")
-
-
-def _column_major_linears(module: nn.Module) -> None:
-    """On CPU, keep each Linear weight [out, in] with strides (1, out), i.e. W^T in memory.
-
-    MKL multiplies one row by W^T contiguous about 1.3-1.5x faster than by W (batch-1
-    decode is all such products) and larger batches run at the same speed. The shape is
-    unchanged, so loading and every caller see the same parameter. The LM head too: its
-    batch-1 GEMV reads W row-major ~2 % faster (epd_gemv_rm), but oneDNN multiplies 16-64
-    rows by it 12-25 % slower, which costs more across W1/W2-like batches.
-    """
-    for m in module.modules():
-        if isinstance(m, nn.Linear) and m.weight.device.type == "cpu":
-            m.weight = nn.Parameter(m.weight.detach().t().contiguous().t(), m.weight.requires_grad)
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:
