@@ -40,7 +40,7 @@ from services.models.eagle3 import Eagle3Head  # noqa: E402
 
 log = logging.getLogger("bench.spec")
 KS = (3, 5, 7)
-AUX_IDS = (1, 2, 3)  # outputs of target layers 0, 1, 2 (the recipe's target has 3)
+AUX_IDS = (2, 4, 6)  # outputs of target layers 1, 3, 5 (low, middle, last of 6)
 
 
 def build_heads(target_dir: Path, stream: torch.Tensor, r: HeadRecipe = HeadRecipe()) -> dict:
@@ -118,12 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=96, help="tokens generated per prompt")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
     ap.add_argument("--offline-only", action="store_true", help="skip the engine runs")
+    ap.add_argument("--build-only", action="store_true", help="build the cached models, stop")
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)  # the recipe's figures were taken this way (shared 2-core box)
     target_dir, stream = build_target()
     heads = build_heads(target_dir, stream)
+    if args.build_only:
+        return 0
     from transformers import AutoTokenizer
 
     prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(target_dir)), args.prompts,
