@@ -21,16 +21,17 @@ from services.engine.spec_proposer import ProposeInput, Proposer
 from services.models.factory import LoadedModel
 
 
-def make_proposer(config: SpeculativeConfig, loaded: LoadedModel) -> Proposer:
+def make_proposer(config: SpeculativeConfig, loaded: LoadedModel, backend=None) -> Proposer:
     """The proposer the config names; a head that does not fit the target raises
-    ValueError (at start-up)."""
+    ValueError (at start-up). ``backend``: the target's kernels, which a head may use."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     from services.engine.spec_eagle import Eagle3Proposer  # torch model code: on demand
 
     try:
         return Eagle3Proposer.load(config.model, loaded.text_config, loaded.device,
-                                   loaded.dtype, config.parallel_drafting)  # fmt: skip
+                                   loaded.dtype, config.parallel_drafting,
+                                   backend=backend)  # fmt: skip
     except (OSError, KeyError) as e:
         raise ValueError(f"draft head {config.model!r}: {e}") from e
 
@@ -52,7 +53,9 @@ class SpecDecoding:
               proposer: Proposer | None = None) -> SpecDecoding:  # fmt: skip
         """Check the proposer against the target and switch on aux capture if it asks.
         ``proposer``: one built elsewhere (tests' oracle proposers)."""
-        proposer = proposer if proposer is not None else make_proposer(config, loaded)
+        proposer = (
+            proposer if proposer is not None else make_proposer(config, loaded, runner.backend)
+        )
         layers = tuple(proposer.aux_layers)
         if layers:
             if not getattr(loaded.model, "supports_aux_hidden", False):

@@ -88,11 +88,16 @@ class Eagle3Proposer:
 
     @classmethod
     def load(cls, head_dir: str | Path, target_config, device, dtype, parallel: bool,
-             target_embed: torch.Tensor | None = None) -> Eagle3Proposer:  # fmt: skip
-        """Load a Speculators head, check it against the target's config, place it."""
+             target_embed: torch.Tensor | None = None, backend=None) -> Eagle3Proposer:  # fmt: skip
+        """Load a Speculators head, check it against the target's config, place it.
+        ``backend``: the target's, whose native norm and rotary the head then uses (fp32
+        on CPU only, where torch's per-op overhead dominates a one-row draft forward)."""
         head = Eagle3Head.from_pretrained(head_dir, target_embed=target_embed)
         head.cfg.check_target(target_config)
-        return cls(head.to(device=device, dtype=dtype), parallel)
+        head = head.to(device=device, dtype=dtype)
+        if backend is not None and torch.device(device).type == "cpu" and dtype == torch.float32:
+            head.use_backend(backend)
+        return cls(head, parallel)
 
     @property
     def requests(self) -> tuple[str, ...]:

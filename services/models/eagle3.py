@@ -30,20 +30,25 @@ from services.models.rope import cos_sin_cache
 
 
 class _RMSNorm(nn.Module):
-    """RMSNorm computed as transformers' Llama/Qwen3 norm (fp32 inside)."""
+    """RMSNorm computed as transformers' Llama/Qwen3 norm (fp32 inside); through the
+    backend's native norm when one is set (``Eagle3Head.use_backend``, inference only)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = None  # a Backend: torch's rms_norm is ~10 small ops, 50 us at one row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.ops.rms_norm(flat, self.weight, self.eps).view(x.shape)
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary (transformers' rotate_half); x [B, heads, T, d], cos/sin [B, 1, T, d]."""
+    """Neox-style rotary (transformers' rotate_half); x [B, T, heads, d], cos/sin [B, T, 1, d]."""
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
@@ -64,10 +69,12 @@ class _Attention(nn.Module):
         qk_norm = c.layer_type == "qwen3"
         self.q_norm = _RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
         self.k_norm = _RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
+        self.ops = None  # a Backend for the rotary (in place), inference only
 
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        """x [B, T, 2H]; past_k/v [B, kvh, L, d] or None; mask [B, 1, T, L + T] bool (True =
-        attend). Returns (out [B, T, H], k [B, kvh, T, d], v [B, kvh, T, d])."""
+    def forward(self, x, rope, past_k, past_v, mask):
+        """x [B, T, 2H]; rope: (positions [B, T], cos_sin table) with a backend, else
+        (cos, sin) [B, T, 1, d]; past_k/v [B, kvh, L, d] or None; mask [B, 1, T, L + T]
+        bool (True = attend). Returns (out [B, T, H], k [B, kvh, T, d], v [B, kvh, T, d])."""
         b, t, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim)
@@ -75,8 +82,13 @@ class _Attention(nn.Module):
         v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = _rotate(q.transpose(1, 2), cos, sin)
-        k = _rotate(k.transpose(1, 2), cos, sin)
+        if self.ops is not None:
+            q, k = q.contiguous(), k.contiguous()  # q/k norms may hand back views
+            self.ops.rotary(rope[0].reshape(-1), q.view(b * t, c.num_heads, c.head_dim),
+                            k.view(b * t, c.num_kv_heads, c.head_dim), rope[1], True)  # fmt: skip
+        else:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         vals = v if past_v is None else torch.cat([past_v, v], dim=2)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
@@ -106,13 +118,13 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, emb, feat, cos, sin, past_k, past_v, mask):
+    def forward(self, emb, feat, rope, past_k, past_v, mask):
         residual = feat
         feat = self.hidden_norm(feat)
         if self.norm_before_residual:
             residual = feat
         x = torch.cat([self.input_layernorm(emb), feat], dim=-1)
-        a, k, v = self.self_attn(x, cos, sin, past_k, past_v, mask)
+        a, k, v = self.self_attn(x, rope, past_k, past_v, mask)
         h = residual + a
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
@@ -139,6 +151,8 @@ class Eagle3Head(nn.Module):
         self._rope = cos_sin_cache(
             _rope_config(cfg), cfg.head_dim, max(cfg.max_position_embeddings, 64)
         )
+        self._full: tuple[torch.Tensor, torch.Tensor] | None = None  # full-width cos, sin
+        self._ops = None  # a Backend (use_backend)
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., len(aux) * target_hidden] target rows -> [..., H] features."""
@@ -153,11 +167,19 @@ class Eagle3Head(nn.Module):
         [B, kvh, L, d] or None; mask [B, 1, T, L + T] bool (None: plain causal, no past).
         Returns (out [B, T, H] layer output, k, v [B, kvh, T, d] to keep)."""
         emb = self.embed_tokens(tokens)
-        cos, sin = self._cos_sin(positions, emb.dtype)
+        rope = self._rope_for(positions, emb.dtype)
         if mask is None:
             t = tokens.shape[1]
             mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-        return self.layers[0](emb, feats, cos, sin, past_k, past_v, mask)
+        return self.layers[0](emb, feats, rope, past_k, past_v, mask)
+
+    def use_backend(self, backend) -> None:
+        """Run norms and rotary through ``backend``'s native ops (fp32 CPU inference only:
+        they cut a draft forward's per-op overhead; values agree with torch's to ~1e-7)."""
+        self._ops = backend
+        for m in self.modules():
+            if isinstance(m, (_RMSNorm, _Attention)):
+                m.ops = backend
 
     def readout(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the draft vocab [.., Vd] fp32, the feature the next step gets [.., H])."""
@@ -168,16 +190,22 @@ class Eagle3Head(nn.Module):
         """Draft-vocab ids -> target ids (the d2t offsets)."""
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
-    def _cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_for(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention rotates with: (positions, table) for the backend's rotary,
+        else full-width (cos, sin) [B, T, 1, d], from tables built once per length."""
         need = int(positions.max()) + 1
         if need > self._rope.shape[0]:  # long contexts: grow the table, never wrap
             self._rope = cos_sin_cache(_rope_config(self.cfg), self.cfg.head_dim, 2 * need)
-        table = self._rope.to(positions.device)[positions]  # [B, T, d]: cos half, sin half
-        cos, sin = table.chunk(2, dim=-1)
-        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            self._full = None
+        if self._ops is not None:
+            return positions, self._rope
+        if self._full is None or self._full[0].device != positions.device:
+            cos, sin = self._rope.to(positions.device).chunk(2, dim=-1)
+            self._full = (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+        cos, sin = self._full[0][positions], self._full[1][positions]
         if dtype != cos.dtype:
             cos, sin = cos.to(dtype), sin.to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos.unsqueeze(2), sin.unsqueeze(2)
 
     @classmethod
     def from_pretrained(

@@ -34,10 +34,14 @@ def _logits(head: Eagle3Head, ids: torch.Tensor, hidden: torch.Tensor) -> torch.
     return head.readout(out)[0][0]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("kind", ["eagle3", "peagle"])
-def test_a_head_saved_by_speculators_gives_speculators_logits(kind):
+def test_a_head_saved_by_speculators_gives_speculators_logits(kind, native, request):
     # The fixture was written by speculators 0.9.0 itself (tests/data/speculators/make.py).
+    # native: norms and rotary through the cpu backend, as the engine's proposer runs it.
     head = Eagle3Head.from_pretrained(DATA / kind)
+    if native:
+        head.use_backend(request.getfixturevalue("be"))
     ref = load_file(str(DATA / f"{kind}_reference.safetensors"))
     got = _logits(head, ref["input_ids"], ref["hidden"])
     torch.testing.assert_close(got, ref["logits"], atol=1e-5, rtol=1e-5)

@@ -33,8 +33,9 @@ def heads(tmp_path_factory, target):
     }
 
 
-def _load(heads, target, kind: str, parallel: bool) -> Eagle3Proposer:
-    return Eagle3Proposer.load(heads[kind], target, "cpu", torch.float32, parallel)
+def _load(heads, target, kind: str, parallel: bool, backend=None) -> Eagle3Proposer:
+    return Eagle3Proposer.load(heads[kind], target, "cpu", torch.float32, parallel,
+                               backend=backend)  # fmt: skip
 
 
 def _request(target, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
@@ -63,11 +64,16 @@ def _reference(head: Eagle3Head, ids: list[int], rows: torch.Tensor, k: int, par
     return drafts
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize(("kind", "parallel"), [("eagle3", False), ("peagle", True)])
-def test_batched_drafts_equal_the_head_recomputed_from_scratch(heads, target, kind, parallel):
+def test_batched_drafts_equal_the_head_recomputed_from_scratch(
+    heads, target, kind, parallel, native, request
+):
     # Two rounds: the prompt rows, then 2 more rows each, so the second round's batch
-    # pads both the kept K/V (lengths 3, 15, 7) and the new rows.
-    prop = _load(heads, target, kind, parallel)
+    # pads both the kept K/V (lengths 3, 15, 7) and the new rows. native: the head's
+    # norms and rotary through the cpu backend (the engine hands its backend over).
+    prop = _load(heads, target, kind, parallel, request.getfixturevalue("be") if native else None)
+    assert (prop.head._ops is not None) == native
     reqs = [_request(target, n, seed) for seed, n in enumerate((5, 17, 9))]
     rounds = [
         [(ids[:-2], rows[:-2], rows[:-2]) for ids, rows in reqs],  # prompt rows
