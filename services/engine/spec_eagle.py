@@ -140,14 +140,14 @@ class Eagle3Proposer:
     def _build(self, inputs: list[ProposeInput], k: int) -> _Batch:
         head, extra = self.head, (k - 1 if self.parallel else 0)
         states, toks, feats, pos, rows = [], [], [], [], []
-        for x in inputs:
+        fused = self._fuse(inputs, extra > 0)
+        for x, f in zip(inputs, fused, strict=False):
             m, n = x.hidden.shape[0], len(x.token_ids)
             states.append(self._state_for(x, n - m))
-            f = head.fuse(x.hidden.to(self.device, self.dtype))
             t = torch.tensor(x.token_ids[n - m :], device=self.device)
             if extra:  # P-EAGLE: positions n .. n+k-2 are the mask token + shared feature
                 t = torch.cat([t, t.new_full((extra,), head.cfg.mask_token_id)])
-                f = torch.cat([f, head.mask_feature().expand(extra, -1)])
+                f = torch.cat([f, fused[-1].expand(extra, -1)])
             toks.append(t)
             feats.append(f)
             pos.append(torch.arange(n - m, n + extra, device=self.device))
@@ -167,6 +167,16 @@ class Eagle3Proposer:
             rows=rows,
             last=torch.tensor([m - 1 for m in rows], device=self.device),
         )
+
+    def _fuse(self, inputs: list[ProposeInput], mask: bool) -> list[torch.Tensor]:
+        """fc over every request's new target rows in one matmul (fc's weights are read
+        once, not once per request), split back per request; with ``mask``, P-EAGLE's
+        ``mask_hidden`` rides along and its feature comes last."""
+        hidden = [x.hidden.to(self.device, self.dtype) for x in inputs]
+        if mask:
+            hidden.append(self.head.mask_hidden.view(1, -1))
+        fused = self.head.fuse(torch.cat(hidden))
+        return list(fused.split([h.shape[0] for h in hidden]))
 
     def _draft(self, inputs: list[ProposeInput], b: _Batch, k: int) -> list[list[int]]:
         head, nb = self.head, len(inputs)
