@@ -7,11 +7,12 @@ op of the same contract, so the backend is always complete.
 - Attention reads K/V in place from the paged cache (torch must gather blocks, then SDPA
   reads them again): decode rows one at a time, prefill chunks in tiles of queries that
   share each key read (``cpu_attention`` plans which rows go where).
-- Linear: a streaming GEMV for 1-4 rows (batch-1 decode is bound by weight reads) on W^T
+- Linear: a streaming GEMV for 1-32 rows (batch-1 decode is bound by weight reads) on W^T
   (the column-major weights models keep on CPU) or W row-major (a tied LM head, i.e. the
   embedding table: see epd_gemv_rm), and
-  oneDNN's fp32 GEMM for 8 rows or more (5-25 % faster than MKL's on the shapes of a
-  decode step on this AMD CPU, where MKL does not use its AVX-512 path); F.linear between.
+  oneDNN's fp32 GEMM beyond (5-25 % faster than MKL's on the shapes of a decode step on
+  this AMD CPU, where MKL does not use its AVX-512 path); F.linear for a few rows on other
+  layouts.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
 - A pure decode step of up to GEMV_MAX_ROWS sequences runs the whole decoder stack in one
   native call per thread (``decode_stack``, see ``cpu_stack``): op by op, Python dispatch
@@ -34,10 +35,14 @@ from services.kernels.cpu_attention import AttentionPlan
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata, DecoderStack
 
-# Up to this many rows the native GEMV (and so the one-call decode step) beats MKL/oneDNN
-# on a weight-bound model: 8 verify rows of the 56 M peers Llama 29 against 47 ms, 16
-# rows 54 against 61 ms; 32 rows 109 against 96 ms (bench/spec_verify_cost.py).
-GEMV_MAX_ROWS = 16
+# Up to this many rows the native GEMV (and so the one-call decode step) beats oneDNN on a
+# weight-bound model: it loads each weight vector once for up to 32 rows (epd_gemv_rows.c).
+# The 56 M peers Llama's 32 layer matrices at 32 rows: 42.6 against 51.8 ms, its LM head
+# 29.2 against 29.2 ms; at 48 rows oneDNN wins (57 against 63 ms); a 32-row verify step
+# in one call 74 against 89 ms through the layers (docs/cpu-performance.md, "Multi-row GEMV").
+GEMV_MAX_ROWS = 32
+# epd_gemv_rm (row-major W: a tied LM head) has no multi-row kernel: its measured cap.
+GEMV_RM_MAX_ROWS = 16
 GEMM_MIN_ROWS = 8
 _F32 = torch.float32
 _ptr, _fp32, _layout = cpu_native.ptr, cpu_native.fp32, cpu_native.gemv_layout
@@ -157,7 +162,8 @@ class CpuBackend:
         rows, (n, k) = x.shape[0], weight.shape
         layout = _layout(weight)
         if (
-            x.dim() != 2 or rows > GEMV_MAX_ROWS or torch.get_num_threads() != 1
+            x.dim() != 2 or rows > (GEMV_MAX_ROWS if layout else GEMV_RM_MAX_ROWS)
+            or torch.get_num_threads() != 1
             or weight.dtype != _F32 or layout is None or not _fp32(x)
         ):  # fmt: skip
             return self._argmax(self.linear(x, weight).float())
@@ -189,7 +195,8 @@ class CpuBackend:
         if x.dim() != 2 or x.dtype != _F32 or weight.dtype != _F32 or x.device.type != "cpu":
             return F.linear(x, weight, bias)
         n, k = weight.shape
-        if rows <= GEMV_MAX_ROWS and _fp32(x) and (layout := _layout(weight)) is not None:
+        layout = _layout(weight) if rows <= GEMV_MAX_ROWS and _fp32(x) else None
+        if layout is not None and (layout or rows <= GEMV_RM_MAX_ROWS):
             return self._gemv(x, weight, bias, n, k, layout)
         if rows >= GEMM_MIN_ROWS and self.use_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

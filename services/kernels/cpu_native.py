@@ -25,7 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / f"epd_{name}.c" for name in ("cpu", "attention", "extend", "team", "decode")]
+_UNITS = ("cpu", "gemv_rows", "attention", "extend", "team", "decode")
+SOURCES = [CSRC / f"epd_{name}.c" for name in _UNITS]
 HEADERS = [CSRC / "epd_common.h", CSRC / "epd_team.h"]
 # -fno-trapping-math: GCC then if-converts the float clamps of exp_approx, so the exp loops
 # (softmax, SiLU) vectorize (SiLU·mul was ~10x slower scalar); values are unchanged (no
@@ -45,6 +46,7 @@ _SIGNATURES = {
                                          _P, _P, _P, _P, _F, _F, _P, _P, _I64, _I64]),
     "epd_decode_greedy_scratch": (_I64, [_P, _I64, _I64]),
     "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
+    "epd_gemv_rows": (ctypes.c_int, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_silu_mul": (None, [_P, _P, _I64, _I64]),
     "epd_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F]),
     "epd_argmax": (None, [_P, _P, _I64, _I64]),

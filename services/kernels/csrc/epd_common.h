@@ -65,6 +65,8 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
 /* The kernels one file calls from another (epd_decode.c chains them into a whole step). */
 void epd_gemv_t(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
                 const float *bias, int64_t m, int64_t k, int64_t n);
+int epd_gemv_rows(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
+                  const float *bias, int64_t m, int64_t k, int64_t n);
 void epd_gemv_rm(float *y, int64_t ldy, const float *x, const float *w, int64_t ldw,
                  const float *bias, int64_t m, int64_t k, int64_t n);
 void epd_argmax(int64_t *out, const float *x, int64_t m, int64_t n);

@@ -1,0 +1,105 @@
+/* The multi-row GEMV behind epd_gemv_t (epd_cpu.c): y[r, :n] = x[r, :k] @ wt[:k, :n] for
+ * 2 rows or more, every output element summed exactly as the one-row kernel sums it.
+ *
+ * The one-row kernel streams eight k-runs of wt side by side and reloads the eight weight
+ * vectors for every output row: past one row it is bound by those loads (from L2, or L3 on
+ * an LM head), not by memory. Here each eight-float column vector of the eight weight rows
+ * is loaded once into registers and used by every row of the call, rows taken two at a
+ * time (two independent add chains in flight). x's values come pre-broadcast (one vector
+ * load each, folded into the multiply). Sums go to a private accumulator whose row stride
+ * is an odd multiple of 64 bytes: with y's own stride (often a multiple of 4 KB, e.g.
+ * n = 1024) a row's load waits on the previous row's store to the same 4 KB offset.
+ * Columns are cut in tiles whose accumulator rows stay within L2 (an LM head's 32,000). The
+ * sum order of every element is (bias + t_0) + t_1 + ..., t_i = a_0 w_0 + ... + a_7 w_7
+ * left to right, the one-row kernel's: a row's result does not depend on its batch (the
+ * build's -std=c11 keeps GCC from contracting a * b + c into FMAs, which each kernel could
+ * place differently).
+ */
+#include "epd_common.h"
+
+#define ROW_BLOCK 32          /* rows sharing one pass over the weights */
+#define ACC_BYTES (256 << 10) /* accumulator of one column tile: about half of L2 */
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* t = a_0 w_0 + ... + a_7 w_7, left to right (the one-row kernel's order). */
+#define CHAIN(A)                                                                              \
+    (W0 * A[0] + W1 * A[1] + W2 * A[2] + W3 * A[3] + W4 * A[4] + W5 * A[5] + W6 * A[6] +     \
+     W7 * A[7])
+
+/* acc[r, :n] += t_i for the eight weight rows w[0..7] (each at its own k-run) of pass i,
+ * a[r * 8 + q] = x[r, q-th run's row i] broadcast. */
+static void pass(float *acc, int64_t lda, const v8 *a, const float *const *w, int64_t m,
+                 int64_t n) {
+    const int64_t nv = n / 8 * 8;
+    for (int64_t j = 0; j < nv; j += 8) {
+        const v8 W0 = load8(w[0] + j), W1 = load8(w[1] + j), W2 = load8(w[2] + j);
+        const v8 W3 = load8(w[3] + j), W4 = load8(w[4] + j), W5 = load8(w[5] + j);
+        const v8 W6 = load8(w[6] + j), W7 = load8(w[7] + j);
+        int64_t r = 0;
+        for (; r + 2 <= m; r += 2) {
+            const v8 *A = a + 8 * r, *B = A + 8;
+            float *y0 = acc + r * lda + j, *y1 = y0 + lda;
+            const v8 u0 = load8(y0) + CHAIN(A), u1 = load8(y1) + CHAIN(B);
+            store8(y0, u0);
+            store8(y1, u1);
+        }
+        if (r < m) {
+            const v8 *A = a + 8 * r;
+            float *y0 = acc + r * lda + j;
+            store8(y0, load8(y0) + CHAIN(A));
+        }
+    }
+    for (int64_t j = nv; j < n; j++)
+        for (int64_t r = 0; r < m; r++) {
+            const v8 *A = a + 8 * r;
+            acc[r * lda + j] += A[0][0] * w[0][j] + A[1][0] * w[1][j] + A[2][0] * w[2][j] +
+                                A[3][0] * w[3][j] + A[4][0] * w[4][j] + A[5][0] * w[5][j] +
+                                A[6][0] * w[6][j] + A[7][0] * w[7][j];
+        }
+}
+
+/* One column tile [n] of up to ROW_BLOCK rows, through the accumulator acc (stride lda). */
+static void tile(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
+                 const float *bias, int64_t m, int64_t k, int64_t n, float *acc, int64_t lda) {
+    for (int64_t r = 0; r < m; r++) {
+        if (bias) memcpy(acc + r * lda, bias, sizeof(float) * (size_t)n);
+        else memset(acc + r * lda, 0, sizeof(float) * (size_t)n);
+    }
+    const int64_t g = k / 8, gs = g * ldw;
+    v8 a[ROW_BLOCK * 8];
+    for (int64_t i = 0; i < g; i++) {
+        const float *w[8];
+        for (int q = 0; q < 8; q++) w[q] = wt + i * ldw + q * gs;
+        for (int64_t r = 0; r < m; r++)
+            for (int q = 0; q < 8; q++) a[r * 8 + q] = (v8){0} + x[r * k + i + q * g];
+        pass(acc, lda, a, w, m, n);
+    }
+    for (int64_t kk = 8 * g; kk < k; kk++)
+        for (int64_t r = 0; r < m; r++) axpy(acc + r * lda, x[r * k + kk], wt + kk * ldw, n);
+    for (int64_t r = 0; r < m; r++)
+        memcpy(y + r * ldy, acc + r * lda, sizeof(float) * (size_t)n);
+}
+
+/* epd_gemv_t's contract for any m; returns -1 (nothing written) when the accumulator
+ * cannot be allocated. */
+int epd_gemv_rows(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
+                  const float *bias, int64_t m, int64_t k, int64_t n) {
+    const int64_t rows = m < ROW_BLOCK ? m : ROW_BLOCK;
+    int64_t cols = ACC_BYTES / (int64_t)sizeof(float) / (rows > 0 ? rows : 1) / 64 * 64;
+    cols = cols < 64 ? 64 : (cols > n ? n : cols);
+    int64_t lda = (cols + 15) / 16 * 16;
+    if ((lda / 16) % 2 == 0) lda += 16; /* an odd multiple of 64 bytes: rows never alias */
+    float *acc = aligned_alloc(64, sizeof(float) * (size_t)(rows * lda));
+    if (!acc) return -1;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+        const int64_t mb = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+        for (int64_t j0 = 0; j0 < n; j0 += cols) {
+            const int64_t nb = n - j0 < cols ? n - j0 : cols;
+            tile(y + r0 * ldy + j0, ldy, x + r0 * k, wt + j0, ldw, bias ? bias + j0 : NULL, mb,
+                 k, nb, acc, lda);
+        }
+    }
+    free(acc);
+    return 0;
+}
