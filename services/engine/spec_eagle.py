@@ -189,10 +189,8 @@ class Eagle3Proposer:
         ar = torch.arange(nb, device=self.device)
         if self.parallel:  # the last target row, then the k-1 mask rows after it
             idx = b.last[:, None] + torch.arange(k, device=self.device)[None, :]
-            logits, _ = head.readout(out[ar[:, None], idx])
-            return head.to_target(logits.argmax(-1)).tolist()
-        logits, feat = head.readout(out[ar, b.last])
-        tok = head.to_target(logits.argmax(-1))
+            return head.greedy(out[ar[:, None], idx])[0].tolist()
+        tok, feat = head.greedy(out[ar, b.last])
         drafts = [tok]
         keys_k = torch.cat([b.past_k, new_k], dim=2)
         keys_v = torch.cat([b.past_v, new_v], dim=2)
@@ -206,8 +204,7 @@ class Eagle3Proposer:
             )
             self.forwards += 1
             keys_k, keys_v = torch.cat([keys_k, nk], 2), torch.cat([keys_v, nv], 2)
-            logits, feat = head.readout(o[:, 0])
-            tok = head.to_target(logits.argmax(-1))
+            tok, feat = head.greedy(o[:, 0])
             drafts.append(tok)
         return torch.stack(drafts, dim=1).tolist()
 

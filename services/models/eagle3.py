@@ -176,7 +176,7 @@ class Eagle3Head(nn.Module):
     def use_backend(self, backend) -> None:
         """Run norms and rotary through ``backend``'s native ops (fp32 CPU inference only:
         they cut a draft forward's per-op overhead; values agree with torch's to ~1e-7)."""
-        self._ops = backend
+        self._ops = backend  # None: back to torch
         for m in self.modules():
             if isinstance(m, (_RMSNorm, _Attention)):
                 m.ops = backend
@@ -185,6 +185,18 @@ class Eagle3Head(nn.Module):
         """(logits over the draft vocab [.., Vd] fp32, the feature the next step gets [.., H])."""
         normed = self.norm(out)
         return self.lm_head(normed).float(), (normed if self.cfg.norm_output else out)
+
+    def greedy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target ids of the draft argmax [..], the feature the next step gets [.., H]):
+        ``readout`` then argmax, through the backend's GEMV + argmax when one is set (the
+        lm_head is a weight-bound read, and the logits are never needed)."""
+        normed = self.norm(out)
+        feat = normed if self.cfg.norm_output else out
+        if self._ops is None:
+            return self.to_target(self.lm_head(normed).float().argmax(-1)), feat
+        flat = normed.reshape(-1, normed.shape[-1]).contiguous()
+        ids = self._ops.greedy_head(flat, self.lm_head.weight)
+        return self.to_target(ids.view(normed.shape[:-1])), feat
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (the d2t offsets)."""

@@ -45,6 +45,10 @@ def test_a_head_saved_by_speculators_gives_speculators_logits(kind, native, requ
     ref = load_file(str(DATA / f"{kind}_reference.safetensors"))
     got = _logits(head, ref["input_ids"], ref["hidden"])
     torch.testing.assert_close(got, ref["logits"], atol=1e-5, rtol=1e-5)
+    pos = torch.arange(1, ref["input_ids"].shape[0] + 1)[None]
+    out, _, _ = head.step(ref["input_ids"][None], head.fuse(ref["hidden"][None]), pos)
+    drafts, _ = head.greedy(out[0])  # what the proposer drafts: the argmax, in target ids
+    assert torch.equal(drafts, head.to_target(ref["logits"].argmax(-1)))
     assert head.cfg.parallel == (kind == "peagle")
     assert head.cfg.aux_layers == (0, 1, 2)  # ids 1, 2, 3 = outputs of layers 0, 1, 2
 
