@@ -40,6 +40,10 @@ def test_every_row_is_summed_as_if_alone(be, k, n, bias):
         y = torch.full((m, n), float("nan"))
         _gemv_t(be.lib, x[:m], wt, b, y, 0, n)
         assert torch.equal(y, alone[:m]), f"{m} rows differ from the rows alone"
+        # the multi-row kernel itself, also where epd_gemv_t keeps its one-row loop
+        y = torch.full((m, n), float("nan"))
+        assert be.lib.epd_gemv_rows(ptr(y), n, ptr(x), ptr(wt), n, ptr(b), m, k, n) == 0
+        assert torch.equal(y, alone[:m]), f"epd_gemv_rows: {m} rows differ"
 
 
 @pytest.mark.parametrize("m", [2, 5, 16])

@@ -15,13 +15,18 @@
  * The k rows are cut into eight contiguous runs read side by side, one row of each per
  * pass: eight long sequential streams. (Eight adjacent rows per pass were eight streams of
  * one row each, too short for the hardware prefetcher on a layer's small matrices: ~17
- * against ~24 GB/s here; four or sixteen streams do worse.) Two rows or more go to
+ * against ~24 GB/s here; four or sixteen streams do worse.) More rows go to
  * epd_gemv_rows (epd_gemv_rows.c): the same sums in the same order, each weight vector
- * loaded once for all rows; the loop below serves one row, and any rows if its scratch
- * cannot be allocated. */
+ * loaded once for all rows. The loop below serves one row; two rows too when a pass's
+ * eight weight rows stay in L2 (n <= GEMV_L2_COLS: a layer's matrices, 0-9 % faster
+ * than epd_gemv_rows in six runs here; an LM head's re-read from L3 is not); and any
+ * rows when epd_gemv_rows cannot allocate its scratch. */
+#define GEMV_L2_COLS 8192 /* eight rows of 8192 floats: 256 KB, half of L2 */
 void epd_gemv_t(float *y, int64_t ldy, const float *x, const float *wt, int64_t ldw,
                 const float *bias, int64_t m, int64_t k, int64_t n) {
-    if (m > 1 && epd_gemv_rows(y, ldy, x, wt, ldw, bias, m, k, n) == 0) return;
+    if ((m > 2 || (m == 2 && n > GEMV_L2_COLS)) &&
+        epd_gemv_rows(y, ldy, x, wt, ldw, bias, m, k, n) == 0)
+        return;
     for (int64_t r = 0; r < m; r++) {
         if (bias) memcpy(y + r * ldy, bias, sizeof(float) * (size_t)n);
         else memset(y + r * ldy, 0, sizeof(float) * (size_t)n);
