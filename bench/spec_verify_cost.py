@@ -71,7 +71,7 @@ def _timer(llm: LLM, b: int, q: int, ctx: int, mode: str):
     def run() -> float:
         t0 = time.perf_counter()
         if mode in ("native", "plain"):
-            out = native.run(stack, pos, h, kv.layers, meta, backend._run)
+            out = native.run(stack, pos, h, kv.layers, meta)
             assert out is not None
         else:
             saved = backend.decode_stack

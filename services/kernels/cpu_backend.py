@@ -17,14 +17,14 @@ op of the same contract, so the backend is always complete.
 - A pure decode step of up to GEMV_MAX_ROWS sequences runs the whole decoder stack in one
   native call per thread (``decode_stack``, see ``cpu_stack``): op by op, Python dispatch
   cost about as much as the weight reads.
-Work is split across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+Work is split across ``torch.get_num_threads()`` threads of the OpenMP team torch's own ops
+run on (``csrc/epd_parallel.c``; ctypes releases the GIL).
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,12 @@ def _mkldnn_linear_works() -> bool:
         return False
 
 
+def _bounds(ranges: list[tuple[int, int]]) -> tuple[ctypes.Array, int]:
+    """Contiguous ranges as the epd_par_* kernels take them: [lo_0, lo_1, ..., hi_last], count."""
+    flat = [lo for lo, _ in ranges] + [ranges[-1][1] if ranges else 0]
+    return (ctypes.c_int64 * len(flat))(*flat), len(ranges)
+
+
 class CpuBackend:
     """Backend object (see ``services.kernels.backend``) over the native CPU kernels."""
 
@@ -69,8 +75,6 @@ class CpuBackend:
         self.use_mkldnn = _mkldnn_linear_works()
         self._plan: tuple[weakref.ref | None, AttentionPlan | None] = (None, None)
         self._checked_positions: tuple[weakref.ref | None, int] = (None, 0)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
         self._native_stack = NativeStack(lib, GEMV_MAX_ROWS)
 
     @classmethod
@@ -88,22 +92,6 @@ class CpuBackend:
         parts = max(1, min(torch.get_num_threads(), n // max(min_chunk, 1)))
         step = -(-n // parts)
         return [(i, min(n, i + step)) for i in range(0, n, step)]
-
-    def _run(self, fn, ranges: list[tuple[int, int]]) -> None:
-        """fn(lo, hi) over the ranges: the last one here, the others on pool threads."""
-        if len(ranges) <= 1:
-            for lo, hi in ranges:
-                fn(lo, hi)
-            return
-        if self._pool_size < len(ranges) - 1:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool_size = len(ranges) - 1
-            self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="epd-cpu")
-        futures = [self._pool.submit(fn, lo, hi) for lo, hi in ranges[:-1]]
-        fn(*ranges[-1])
-        for f in futures:
-            f.result()
 
     # -- attention ------------------------------------------------------------------
     def _attention_plan(self, meta: AttentionMetadata, k_cache, hq: int) -> AttentionPlan:
@@ -123,27 +111,21 @@ class CpuBackend:
         _, bs, hkv, d = k_cache.shape
         hq, ts = query.shape[1], plan.tables.stride(0)
 
-        def rows(lo: int, hi: int) -> None:
-            rc = self.lib.epd_decode_attention(
-                _ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts,
-                _ptr(plan.lens, lo), _ptr(plan.rows, lo), _ptr(plan.seqs, lo), hi - lo,
-                hq, hkv, d, bs, scale,
-            )  # fmt: skip
-            if rc != 0:
-                raise MemoryError("attention: out of memory for its scratch")
-
-        def tiles(lo: int, hi: int) -> None:
-            rc = self.lib.epd_extend_attention(
-                _ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts,
-                _ptr(plan.units, 5 * lo), hi - lo, hq, hkv, d, bs, scale,
-            )  # fmt: skip
-            if rc == -1:
-                raise MemoryError("attention: out of memory for its scratch")
-            if rc != 0:
-                raise ValueError("attention: a tile the kernel does not take")
-
-        self._run(rows, self._split(plan.num_rows, 8))
-        self._run(tiles, plan.unit_ranges(torch.get_num_threads()))
+        common = (_ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts)
+        rc = self.lib.epd_par_decode_attention(
+            *common, _ptr(plan.lens), _ptr(plan.rows), _ptr(plan.seqs), hq, hkv, d, bs, scale,
+            *_bounds(self._split(plan.num_rows, 8)),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("attention: out of memory for its scratch")
+        rc = self.lib.epd_par_extend_attention(
+            *common, _ptr(plan.units), hq, hkv, d, bs, scale,
+            *_bounds(plan.unit_ranges(torch.get_num_threads())),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("attention: out of memory for its scratch")
+        if rc != 0:
+            raise ValueError("attention: a tile the kernel does not take")
         if plan.sdpa_meta is not None:
             ref.extend_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts)
         return out
@@ -151,12 +133,11 @@ class CpuBackend:
     # -- whole decode step -----------------------------------------------------------
     def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta,
                      aux_layers: tuple[int, ...] = ()):  # fmt: skip
-        return self._native_stack.run(stack, positions, hidden, kv_caches, meta, self._run,
-                                      aux_layers)  # fmt: skip
+        return self._native_stack.run(stack, positions, hidden, kv_caches, meta, aux_layers)
 
     def decode_greedy(self, stack, embed, head, tokens, positions, kv_caches, meta, steps: int):
         return self._native_stack.run_greedy(stack, embed, head, tokens, positions, kv_caches,
-                                             meta, steps, self._run)  # fmt: skip
+                                             meta, steps)  # fmt: skip
 
     def greedy_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows, (n, k) = x.shape[0], weight.shape
@@ -177,11 +158,7 @@ class CpuBackend:
             return logits.argmax(dim=-1)
         m, n = logits.shape
         out = torch.empty(m, dtype=torch.int64)
-
-        def run(lo: int, hi: int) -> None:
-            self.lib.epd_argmax(_ptr(out, lo), _ptr(logits, lo * n), hi - lo, n)
-
-        self._run(run, self._split(m, 8))
+        self.lib.epd_par_argmax(_ptr(out), _ptr(logits), n, *_bounds(self._split(m, 8)))
         return out
 
     def sample(self, logits: torch.Tensor, t) -> torch.Tensor:
@@ -206,15 +183,8 @@ class CpuBackend:
         y = torch.empty(x.shape[0], n, dtype=_F32)
         b = bias if bias is not None and _fp32(bias) else None
 
-        def run(lo: int, hi: int) -> None:
-            if transposed:  # weight.t() is [k, n] row-major: columns lo..hi of it
-                self.lib.epd_gemv_t(_ptr(y, lo), n, _ptr(x), _ptr(weight, lo), n, _ptr(b, lo),
-                                    x.shape[0], k, hi - lo)  # fmt: skip
-            else:  # rows lo..hi of W [n, k]
-                self.lib.epd_gemv_rm(_ptr(y, lo), n, _ptr(x), _ptr(weight, lo * k), k,
-                                     _ptr(b, lo), x.shape[0], k, hi - lo)  # fmt: skip
-
-        self._run(run, self._split(n, 2048))
+        self.lib.epd_par_gemv(_ptr(y), _ptr(x), _ptr(weight), _ptr(b), x.shape[0], k, n,
+                              transposed, *_bounds(self._split(n, 2048)))  # fmt: skip
         if bias is not None and b is None:
             y += bias
         return y
@@ -224,11 +194,7 @@ class CpuBackend:
             return ref.silu_mul(x)
         m, h = x.shape[0], x.shape[1] // 2
         out = torch.empty(m, h, dtype=_F32)
-
-        def run(lo: int, hi: int) -> None:
-            self.lib.epd_silu_mul(_ptr(out, lo * h), _ptr(x, lo * 2 * h), hi - lo, h)
-
-        self._run(run, self._split(m, 64))
+        self.lib.epd_par_silu_mul(_ptr(out), _ptr(x), h, *_bounds(self._split(m, 64)))
         return out
 
     def rotary(self, positions, query, key, cos_sin_cache, is_neox: bool) -> None:
@@ -241,11 +207,8 @@ class CpuBackend:
         hkv, rot = key.shape[1], cos_sin_cache.shape[-1]
         self._check_positions(pos, cos_sin_cache.shape[0])
 
-        def run(lo: int, hi: int) -> None:
-            self.lib.epd_rotary(_ptr(query, lo * hq * d), _ptr(key, lo * hkv * d), _ptr(pos, lo),
-                                _ptr(cos_sin_cache), hi - lo, hq, hkv, d, rot, int(is_neox))  # fmt: skip
-
-        self._run(run, self._split(t, 256))
+        self.lib.epd_par_rotary(_ptr(query), _ptr(key), _ptr(pos), _ptr(cos_sin_cache), hq, hkv,
+                                d, rot, int(is_neox), *_bounds(self._split(t, 256)))  # fmt: skip
 
     def _check_positions(self, pos: torch.Tensor, table_len: int) -> None:
         """Positions index the cos/sin table in C: check them once per step, not per layer."""
@@ -263,9 +226,6 @@ class CpuBackend:
         out = torch.empty_like(x)
         res_out = torch.empty_like(x) if residual is not None else None
 
-        def run(lo: int, hi: int) -> None:
-            self.lib.epd_rms_norm(_ptr(out, lo * h), _ptr(res_out, lo * h), _ptr(x, lo * h),
-                                  _ptr(residual, lo * h), _ptr(weight), hi - lo, h, eps)  # fmt: skip
-
-        self._run(run, self._split(m, 256))
+        self.lib.epd_par_rms_norm(_ptr(out), _ptr(res_out), _ptr(x), _ptr(residual), _ptr(weight),
+                                  h, eps, *_bounds(self._split(m, 256)))  # fmt: skip
         return out if residual is None else (out, res_out)

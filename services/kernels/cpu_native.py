@@ -25,13 +25,16 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-_UNITS = ("cpu", "gemv_rows", "attention", "extend", "team", "decode")
+_UNITS = ("cpu", "gemv_rows", "attention", "extend", "team", "decode", "parallel")
 SOURCES = [CSRC / f"epd_{name}.c" for name in _UNITS]
 HEADERS = [CSRC / "epd_common.h", CSRC / "epd_team.h"]
 # -fno-trapping-math: GCC then if-converts the float clamps of exp_approx, so the exp loops
 # (softmax, SiLU) vectorize (SiLU·mul was ~10x slower scalar); values are unchanged (no
 # kernel reads FP exception flags).
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-trapping-math"]
+# -fopenmp: the layer path's kernels run on torch's own OpenMP team (epd_parallel.c). A
+# compiler without OpenMP builds the library without it (those kernels on one thread).
+OPENMP = ["-fopenmp"]
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -53,6 +56,20 @@ _SIGNATURES = {
     "epd_gemv_rm": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_gemv_argmax": (ctypes.c_int, [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]),
     "epd_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]),
+    "epd_openmp": (ctypes.c_int, []),
+    "epd_par_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64,
+                                                _I64, _I64, _I64, _F, _P, _I64]),
+    "epd_par_extend_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
+                                                _I64, _F, _P, _I64]),
+    "epd_par_gemv": (None, [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),
+    "epd_par_silu_mul": (None, [_P, _P, _I64, _P, _I64]),
+    "epd_par_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _F, _P, _I64]),
+    "epd_par_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),
+    "epd_par_argmax": (None, [_P, _P, _I64, _P, _I64]),
+    "epd_par_decode_stack": (None, [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F,
+                                    _F, _P, _P, _I64, _P]),
+    "epd_par_decode_greedy": (None, [_P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, _P, _P, _P,
+                                     _P, _P, _P, _F, _F, _P, _P, _I64, _P]),
 }  # fmt: skip
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -101,7 +118,7 @@ def _cpu_id() -> str:
 def _library_path(cache_dir: Path, compiler: str) -> Path:
     h = hashlib.sha256()
     parts = [p.read_bytes() for p in SOURCES + HEADERS]
-    parts += [" ".join(FLAGS).encode(), compiler.encode(), _cpu_id().encode(),
+    parts += [" ".join(FLAGS + OPENMP).encode(), compiler.encode(), _cpu_id().encode(),
               platform.machine().encode()]  # fmt: skip
     for part in parts:
         h.update(part)
@@ -115,8 +132,13 @@ def _build(target: Path, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        for extra in (OPENMP, []):
+            cmd = [compiler, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if res.returncode == 0:
+                break
+            if extra:
+                log.warning("native CPU kernels built without OpenMP: %s", res.stderr.strip()[:300])
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
         os.replace(tmp, target)

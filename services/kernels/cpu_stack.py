@@ -1,6 +1,7 @@
 """The cpu backend's whole decode steps: a pure decode step of a few sequences runs the
-decoder stack in one native call per thread (``csrc/epd_decode.c``; why in
-docs/cpu-performance.md). ``NativeStack.run`` is ``CpuBackend.decode_stack``."""
+decoder stack in one native call per thread of an OpenMP team (``csrc/epd_decode.c``,
+``csrc/epd_parallel.c``; why in docs/cpu-performance.md). ``NativeStack.run`` is
+``CpuBackend.decode_stack``."""
 
 from __future__ import annotations
 
@@ -132,6 +133,7 @@ class NativeStack:
                 os.cpu_count() or 1
             )  # fmt: skip
         self._cpus = cpus
+        self._openmp = bool(lib.epd_openmp())
 
     def _inputs(self, stack: DecoderStack, m: int, positions, kv_caches, meta):
         """(pointers, positions, slots, block tables, lengths) of a pure decode step of m
@@ -154,26 +156,25 @@ class NativeStack:
         return self._pointers, pos, slots, tables, lens
 
     def _team(self) -> int:
-        # A team waits at a barrier for its slowest thread: never more threads than CPUs.
+        # A team waits at a barrier for its slowest thread: never more threads than CPUs,
+        # and one without OpenMP (nothing to run the others on).
+        if not self._openmp:
+            return 1
         return max(1, min(torch.get_num_threads(), self._cpus))
 
-    def _run_team(self, sp: _StackPointers, team: int, call, run_team) -> None:
-        codes = [0] * team
-
-        def run(tid: int, _: int) -> None:
-            codes[tid] = call(tid)
-
-        run_team(run, [(tid, 0) for tid in range(team)])
+    def _run_team(self, sp: _StackPointers, team: int, call) -> None:
+        """call(team, codes): the step on a team of OpenMP threads (epd_parallel.c)."""
+        codes = (ctypes.c_int * team)()
+        call(team, codes)
         rc = next((c for c in codes if c), 0)
         if rc:
             sp.drop_buffers()  # the barrier may be mid-count: never reuse it
             exc, msg = _STACK_ERRORS.get(rc, (RuntimeError, f"decode_stack failed ({rc})"))
             raise exc(msg)
 
-    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta, run_team,
+    def run(self, stack: DecoderStack, positions, hidden, kv_caches, meta,
             aux_layers: tuple[int, ...] = ()):  # fmt: skip
-        """``Backend.decode_stack``; ``run_team(fn, ranges)`` calls fn(lo, hi) for every
-        range at once, one range on each of its threads."""
+        """``Backend.decode_stack``."""
         m = hidden.shape[0]
         if hidden.dim() != 2 or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size:
             return None
@@ -185,17 +186,17 @@ class NativeStack:
         team = self._team()
         dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms)
         out = torch.empty_like(hidden)
-        self._run_team(sp, team, lambda tid: self.lib.epd_decode_stack(
+        self._run_team(sp, team, lambda nt, codes: self.lib.epd_par_decode_stack(
             _ptr(out), _ptr(aux.out), _ptr(aux.cols), aux.stride, _ptr(hidden), _ptr(sp.table),
             _ptr(stack.final_norm), _ptr(stack.rope), _ptr(pos), _ptr(slots), _ptr(tables),
             _ptr(lens), _ptr(dims), stack.eps, stack.head_dim**-0.5, _ptr(scratch), _ptr(sync),
-            tid, team,
-        ), run_team)  # fmt: skip
+            nt, codes,
+        ))  # fmt: skip
         return (out, aux.out) if aux_layers else out
 
     def run_greedy(self, stack: DecoderStack, embed, head, tokens, positions, kv_caches, meta,
-                   steps: int, run_team):  # fmt: skip
-        """``Backend.decode_greedy`` (``run_team`` as in ``run``)."""
+                   steps: int):  # fmt: skip
+        """``Backend.decode_greedy``."""
         m = tokens.shape[0]
         vocab, hid = head.shape
         transposed = gemv_layout(head)  # W^T (models' column-major) or W (a tied head)
@@ -212,10 +213,10 @@ class NativeStack:
         team = self._team()
         dims, scratch, sync = sp.buffers(m, tables, team, self.team_timeout_ms, vocab)
         out = torch.empty(steps, m, dtype=torch.int64)
-        self._run_team(sp, team, lambda tid: self.lib.epd_decode_greedy(
+        self._run_team(sp, team, lambda nt, codes: self.lib.epd_par_decode_greedy(
             _ptr(out), _ptr(ids), _ptr(embed), _ptr(head), transposed, vocab,
             steps, _ptr(sp.table), _ptr(stack.final_norm), _ptr(stack.rope), _ptr(pos),
             _ptr(tables), _ptr(lens), _ptr(dims), stack.eps, stack.head_dim**-0.5,
-            _ptr(scratch), _ptr(sync), tid, team,
-        ), run_team)  # fmt: skip
+            _ptr(scratch), _ptr(sync), nt, codes,
+        ))  # fmt: skip
         return out

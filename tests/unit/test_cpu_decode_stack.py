@@ -102,13 +102,13 @@ def test_fused_step_matches_layer_by_layer(tiny_root, threads, kind, over, rows)
     caches_b = [(k.clone(), v.clone()) for k, v in base]
     calls = []
     lib = llm.engine.backend.lib
-    native = lib.epd_decode_stack
+    native = lib.epd_par_decode_stack
     with torch.inference_mode():
         try:
-            lib.epd_decode_stack = lambda *a: calls.append(1) or native(*a)
+            lib.epd_par_decode_stack = lambda *a: calls.append(1) or native(*a)
             fused = _run(model, positions, h, caches_a, meta, fused=True)
         finally:
-            lib.epd_decode_stack = native
+            lib.epd_par_decode_stack = native
         ref = _run(model, positions, h, caches_b, meta, fused=False)
     assert calls, "the native step did not run"
     if threads == 1:  # the same kernels in the same order: the same bits
@@ -179,15 +179,23 @@ def test_a_missing_teammate_fails_the_step(tiny_root):
         stack = model.model._stack(model.rope)
         meta, pos = _step([5], kv.num_blocks, torch.Generator().manual_seed(0))
         h = torch.randn(1, model.config.hidden_size)
-        native = NativeStack(llm.engine.backend.lib, 4, cpus=2, team_timeout_ms=50)
+        lib = llm.engine.backend.lib
+        native = NativeStack(lib, 4, cpus=2, team_timeout_ms=50)
 
-        def only_the_first(fn, ranges):  # the second teammate never starts
-            fn(*ranges[0])
+        class OnlyTheFirst:  # the team's second thread never starts
+            def __getattr__(self, name):
+                return getattr(lib, name)
+
+            def epd_par_decode_stack(self, *args):
+                *step, nt, codes = args
+                codes[0] = lib.epd_decode_stack(*step, 0, nt)
 
         with torch.inference_mode():
+            native.lib = OnlyTheFirst()
             with pytest.raises(RuntimeError, match="never joined"):
-                native.run(stack, pos, h, kv.layers, meta, only_the_first)
-            ok = native.run(stack, pos, h, kv.layers, meta, llm.engine.backend._run)
+                native.run(stack, pos, h, kv.layers, meta)
+            native.lib = lib
+            ok = native.run(stack, pos, h, kv.layers, meta)
         assert ok is not None and ok.shape == h.shape
     finally:
         torch.set_num_threads(old)

@@ -68,13 +68,13 @@ def test_verify_rows_match_the_extend_path(tiny_root, threads, kind, over, qs):
     caches_a, caches_b, caches_c = _caches(kv, gen, 3)
     calls = []
     lib = llm.engine.backend.lib
-    native = lib.epd_decode_stack
+    native = lib.epd_par_decode_stack
     with torch.inference_mode():
         try:
-            lib.epd_decode_stack = lambda *a: calls.append(1) or native(*a)
+            lib.epd_par_decode_stack = lambda *a: calls.append(1) or native(*a)
             fused = model(pos, h, caches_a, rows)
         finally:
-            lib.epd_decode_stack = native
+            lib.epd_par_decode_stack = native
         layers = _run(model, pos, h, caches_b, rows, fused=False)
         by_seq = model(pos, h, caches_c, extend, keep)  # the extend path: no native step
     assert calls, "the native step did not run"
