@@ -8,6 +8,7 @@ rows mixed with prefill rows; one and two threads; and fallbacks for other dtype
 
 import math
 import platform
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -196,3 +197,11 @@ def test_a_compiler_that_fails_leaves_the_torch_backend(tmp_path):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
 def test_glibc_keeps_freed_memory_for_the_next_step():
     assert cpu_native.keep_freed_memory()
+
+
+def test_the_kernels_run_on_torchs_own_openmp_runtime(be):
+    """epd_parallel.c splits ops over torch's OpenMP team: the library is built with OpenMP
+    and binds the libgomp torch loaded, not a second copy with its own threads."""
+    assert be.lib.epd_openmp() == 1
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert len({line.split()[-1] for line in maps if "libgomp" in line}) == 1
