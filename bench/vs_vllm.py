@@ -11,7 +11,8 @@ whole process tree: vLLM's engine core and worker too) to ``--cpus`` (1 thread) 
 random Llama of ../shared/peers.md), the same prompt ids (``_vs_vllm_workloads.py``),
 greedy sampling with ``ignore_eos``, 1 GiB of KV cache, prefix caching on and reset before
 every call. Workloads run one ``generate`` call each, the systems alternating (who goes
-first swaps every round). Printed per workload: each system's output tok/s (best round,
+first swaps every round); the system not running is SIGSTOPped meanwhile (an idle vLLM's
+engine core still polls: 4-11 % of the core while ours ran). Printed per workload: each system's output tok/s (best round,
 then every round), the ratio of the bests, the spread of the per-round ratios, and how many
 requests' greedy outputs agree. Timings: vLLM compiles for 30-75 s per load; one round of
 every default workload takes ~8 min on this machine, mostly ``mixed`` and ``prefix``.
@@ -20,8 +21,10 @@ every default workload takes ~8 min on this machine, mostly ``mixed`` and ``pref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -139,17 +142,29 @@ class Worker:
             raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()}):\n{tail}")
         return json.loads(line)
 
-    def cpu_seconds(self) -> float:
-        """CPU time used so far by every process of the worker's session."""
-        total, tick = 0, os.sysconf("SC_CLK_TCK")
+    def _session(self) -> list[tuple[int, list[str]]]:
+        """(pid, /proc stat fields after the name) of every process of the worker's session."""
+        procs = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:  # the process ended meanwhile
                 continue
             if int(fields[3]) == self.proc.pid:  # field 6 of stat: the session id
-                total += int(fields[11]) + int(fields[12])  # utime + stime
-        return total / tick
+                procs.append((int(stat.parent.name), fields))
+        return procs
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every process of the worker's session."""
+        ticks = sum(int(f[11]) + int(f[12]) for _, f in self._session())  # utime + stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def pause(self, stop: bool) -> None:
+        """SIGSTOP (or SIGCONT) the whole session: an idle vLLM still polls (its engine core
+        took 4-11 % of the core while ours ran), a stopped process takes nothing."""
+        for pid, _ in self._session():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -207,11 +222,17 @@ def _one_round(name: str, order: list[Worker], res: Result) -> None:
     for w in order:
         idle = [o for o in order if o is not w]
         before = [o.cpu_seconds() for o in idle]
-        reply = w.run(name)
+        for o in idle:
+            o.pause(True)
+        try:
+            reply = w.run(name)
+        finally:
+            for o in idle:
+                o.pause(False)
         rate = reply["tokens"] / reply["seconds"]
         getattr(res, w.name).append(rate)
         digests[w.name] = reply["digest"]
-        # The idle system must stay idle: its CPU time during the other's run is printed.
+        # The idle system is stopped: its CPU time during the other's run shows it was.
         busy = sum(o.cpu_seconds() for o in idle) - sum(before)
         print(f"  {name:<8} {w.name:<5} {rate:8.1f} tok/s ({reply['seconds']:.1f} s; "
               f"the other system used {busy:.1f} CPU s meanwhile)", flush=True)  # fmt: skip
