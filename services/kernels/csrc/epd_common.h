@@ -83,4 +83,17 @@ int epd_extend_attention(float *out, const float *q, const float *kc, const floa
                          const int32_t *tables, int64_t table_stride, const int64_t *units,
                          int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale);
 
+/* The one-call decoder step (epd_decode.c), run by a team in epd_parallel.c. */
+int epd_decode_stack(float *out, float *aux, const int64_t *aux_cols, int64_t aux_stride,
+                     const float *h, const int64_t *layers, const float *final_norm,
+                     const float *cs, const int64_t *pos, const int64_t *slots,
+                     const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
+                     float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt);
+int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float *embed,
+                      const float *head, int head_transposed, int64_t vocab, int64_t steps,
+                      const int64_t *layers, const float *final_norm, const float *cs,
+                      const int64_t *pos0, const int32_t *tables, const int32_t *lens0,
+                      const int64_t *dm, float eps, float scale, float *scratch, int64_t *sync,
+                      int64_t tid, int64_t nt);
+
 #endif

@@ -103,18 +103,6 @@ void epd_par_argmax(int64_t *out, const float *x, int64_t n, const int64_t *b, i
  * team, thread t as tid t; codes[t] its return. The step's own barrier needs every
  * teammate running at once: a team OpenMP cannot fill comes short, and its barrier
  * times out (-5) rather than hang. */
-int epd_decode_stack(float *out, float *aux, const int64_t *aux_cols, int64_t aux_stride,
-                     const float *h, const int64_t *layers, const float *final_norm,
-                     const float *cs, const int64_t *pos, const int64_t *slots,
-                     const int32_t *tables, const int32_t *lens, const int64_t *dm, float eps,
-                     float scale, float *scratch, int64_t *sync, int64_t tid, int64_t nt);
-int epd_decode_greedy(int64_t *tokens_out, const int64_t *tokens_in, const float *embed,
-                      const float *head, int head_transposed, int64_t vocab, int64_t steps,
-                      const int64_t *layers, const float *final_norm, const float *cs,
-                      const int64_t *pos0, const int32_t *tables, const int32_t *lens0,
-                      const int64_t *dm, float eps, float scale, float *scratch, int64_t *sync,
-                      int64_t tid, int64_t nt);
-
 #ifdef _OPENMP
 #include <omp.h>
 #define TEAM_TID ((int64_t)omp_get_thread_num())
