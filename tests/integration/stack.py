@@ -81,20 +81,26 @@ async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: st
         await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
         stack.gateway = gw = await start_gateway(engine, cfg("gateway"), aggregated=False,
                                                  cache=cache)  # fmt: skip
-        registry, fp = gw.core.backend.registry, gw.core.info.fingerprint
-
-        def live(role: str) -> int:  # other stacks (models) may share the bus
-            return sum(i.model == fp for i in registry.live(role))
-
-        await registry.wait_for(
-            lambda: live("decode") == num_decode and live("prefill") and live("encode"),
-            timeout_s=10.0,
-        )
+        await wait_live(gw, num_decode)
     except BaseException:
         await stack.stop()
         raise
     stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
     return stack
+
+
+async def wait_live(gw: Gateway, num_decode: int, timeout_s: float = 10.0) -> None:
+    """Until ``gw``'s registry sees an encoder, a prefill and ``num_decode`` decode
+    instances of its model (heartbeats; other stacks may share the bus)."""
+    registry, fp = gw.core.backend.registry, gw.core.info.fingerprint
+
+    def live(role: str) -> int:
+        return sum(i.model == fp for i in registry.live(role))
+
+    await registry.wait_for(
+        lambda: live("decode") == num_decode and live("prefill") and live("encode"),
+        timeout_s=timeout_s,
+    )
 
 
 async def start_aggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str,
