@@ -104,6 +104,11 @@ class EncoderService(Service):
         return [e.detach().to("cpu").contiguous() for e in out]
 
     async def _encode_and_store(self, image, digest: str) -> tuple[torch.Tensor, bool]:
+        emb = self.recent.get(digest)
+        if emb is not None:
+            # Encoded here (and its flight ended) while this request's image was still
+            # arriving, after its cache lookup missed: the first encode's, not a second.
+            return emb, await self.store.put(self.fingerprint, digest, emb)
         emb = await self.batcher.submit(image)
         self.recent.put(digest, emb)
         stored = await self.store.put(self.fingerprint, digest, emb)

@@ -9,6 +9,7 @@ import io
 import grpc
 import pytest
 import pytest_asyncio
+import torch
 
 from gateway.config import GatewayConfig
 from protos.epd_pb import inference_pb2 as pb
@@ -99,6 +100,26 @@ async def test_repeated_image_is_encoded_once(stacks):
     outs.append(await collect(disagg.stub, chat_request("look again", [image])))
     assert IMAGES_ENCODED._value.get() - before == 1
     assert all(ids for ids, _, _ in outs)
+
+
+async def test_an_image_encoded_while_another_request_for_it_waited_is_not_encoded_again(stacks):
+    """The race under load: a request's lookup misses while the first encode of its image
+    runs, its image bytes arrive after that encode (and its single flight) ended; it
+    takes the embedding encoded here instead of a second tower pass."""
+    from PIL import Image
+
+    from services.images import image_hash
+
+    disagg, _ = stacks
+    enc = disagg.encoder
+    data = png(11, (56, 48))
+    digest = image_hash(data, enc.fingerprint)
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    before = IMAGES_ENCODED._value.get()
+    first, _ = await enc._encode_and_store(image, digest)
+    second, _ = await enc._encode_and_store(image, digest)
+    assert IMAGES_ENCODED._value.get() - before == 1
+    assert torch.equal(first, second)
 
 
 async def test_kv_larger_than_max_payload_transfers_intact(stacks):
