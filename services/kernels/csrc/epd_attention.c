@@ -1,7 +1,6 @@
 /* Paged attention of the "cpu" backend (see epd_cpu.c for how the library is built). */
 #include "epd_common.h"
 
-typedef int32_t v8i __attribute__((vector_size(32)));
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else

@@ -40,9 +40,13 @@ void epd_gemv_t(float *y, int64_t ldy, const float *x, const float *wt, int64_t 
             const float a0 = a[0], a1 = a[g], a2 = a[2 * g], a3 = a[3 * g];
             const float a4 = a[4 * g], a5 = a[5 * g], a6 = a[6 * g], a7 = a[7 * g];
             float *yr = y + r * ldy;
-            for (int64_t j = 0; j < n; j++)
-                yr[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j] + a4 * w4[j] +
-                         a5 * w5[j] + a6 * w6[j] + a7 * w7[j];
+            /* y += a_0 w_0, then a_1 w_1, ... a_7 w_7, each fused: epd_gemv_rows' order */
+            for (int64_t j = 0; j < n; j++) {
+                float s = fma1(a0, w0[j], yr[j]);
+                s = fma1(a1, w1[j], s), s = fma1(a2, w2[j], s), s = fma1(a3, w3[j], s);
+                s = fma1(a4, w4[j], s), s = fma1(a5, w5[j], s), s = fma1(a6, w6[j], s);
+                yr[j] = fma1(a7, w7[j], s);
+            }
         }
     }
     for (int64_t kk = 8 * g; kk < k; kk++)
@@ -78,7 +82,14 @@ void epd_silu_mul(float *out, const float *x, int64_t m, int64_t h) {
     for (int64_t r = 0; r < m; r++) {
         const float *g = x + r * 2 * h, *u = g + h;
         float *o = out + r * h;
-        for (int64_t i = 0; i < h; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        int64_t i = 0;
+        /* exp8 by hand: left to GCC, this loop ran at ~5 ns an element, 5x torch's */
+        for (; i + 8 <= h; i += 8) {
+            const v8 gv = load8(g + i);
+            const v8 y = gv / (1.f + exp8(-gv)) * load8(u + i);
+            memcpy(o + i, &y, sizeof y);
+        }
+        for (; i < h; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
     }
 }
 

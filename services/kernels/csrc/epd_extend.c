@@ -17,13 +17,6 @@
  * P.V broadcasts s[i][j] against V rows as they lie in the cache. */
 #include "epd_common.h"
 
-#if defined(__FMA__) && (defined(__x86_64__) || defined(__i386__))
-#include <immintrin.h>
-static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
-#endif
-
 #if defined(__x86_64__) && defined(__AVX__)
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
@@ -33,7 +26,6 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 #define XT_ROWS 32 /* query vectors per unit: positions x GQA group */
 #define XT_KEYS 64 /* keys per online-softmax step (four blocks of 16) */
 
-static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
@@ -120,30 +112,6 @@ static void tile_pv(float *o, const float *p, int64_t w, const float *const *vro
         }
 }
 
-typedef int32_t v8i_ __attribute__((vector_size(32)));
-
-static inline v8 select8(v8i_ m, v8 a, v8 b) { return (v8)((m & (v8i_)a) | (~m & (v8i_)b)); }
-
-static inline v8 max8(v8 a, v8 b) { return select8(a > b, a, b); }
-
-/* exp_approx (epd_common.h) on eight lanes: the scalar one does not vectorize here. */
-static inline v8 exp8(v8 x) {
-    x = max8(splat8(-87.f), x);
-    x = select8(x > splat8(88.f), splat8(88.f), x);
-    const v8 magic = splat8(12582912.f);
-    const v8 n = (x * 1.44269504088896341f + magic) - magic;
-    const v8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    v8 p = splat8(1.f / 720.f);
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const v8i_ e = (__builtin_convertvector(n, v8i_) + 127) << 23;
-    return p * (v8)e;
-}
-
 /* One online-softmax step over keys t0 .. t0 + nt - 1, eight queries per vector: mask keys
  * past each query's own position (lim[j]), turn s into exp(s - new max), rescale the
  * running sum l and output o by exp(old max - new max). Query j's first step holds key 0,
@@ -152,11 +120,11 @@ static void tile_softmax(float *s, float *o, float *mx, float *l, const int32_t 
                          int64_t t0, int64_t nt, int64_t w, int64_t d) {
     const v8 ninf = splat8(-INFINITY);
     for (int64_t v = 0; v < w; v += 8) {
-        const v8i_ lv = *(const v8i_ *)(lim + v);
+        const v8i lv = *(const v8i *)(lim + v);
         v8 mnew = load8(mx + v), sum = {0};
         for (int64_t i = 0; i < nt; i++) {
             v8 x = load8(s + i * w + v);
-            if (t0 + i > lim[v]) x = select8((v8i_){0} + (int32_t)(t0 + i) > lv, ninf, x);
+            if (t0 + i > lim[v]) x = select8((v8i){0} + (int32_t)(t0 + i) > lv, ninf, x);
             store8(s + i * w + v, x);
             mnew = max8(mnew, x);
         }
