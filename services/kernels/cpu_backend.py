@@ -37,9 +37,10 @@ from services.kernels.metadata import AttentionMetadata, DecoderStack
 
 # Up to this many rows the native GEMV (and so the one-call decode step) beats oneDNN on a
 # weight-bound model: it loads each weight vector once for up to 32 rows (epd_gemv_rows.c).
-# The 56 M peers Llama's 32 layer matrices at 32 rows: 42.6 against 51.8 ms, its LM head
-# 29.2 against 29.2 ms; at 48 rows oneDNN wins (57 against 63 ms); a 32-row verify step
-# in one call 74 against 89 ms through the layers (docs/cpu-performance.md, "Multi-row GEMV").
+# The 56 M peers Llama's 32 layer matrices on an AVX-512 core, with FMA: 18.1 against
+# 24.9 ms at 32 rows, its LM head 12.1 against 17.8; at 48 rows 27.2 against 28.6, at 64
+# a tie (33.3 against 32.7): past 32 the one-call step's gain is gone
+# (docs/cpu-performance.md, "Multi-row GEMV" and "FMA and AVX-512").
 GEMV_MAX_ROWS = 32
 # epd_gemv_rm (row-major W: a tied LM head) has no multi-row kernel: its measured cap.
 GEMV_RM_MAX_ROWS = 16
