@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
-from services.kernels.cpu_attention import AttentionPlan
+from services.kernels.cpu_attention import AttentionPlan, sdpa_rows
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata, DecoderStack
 
@@ -128,7 +128,7 @@ class CpuBackend:
         if rc != 0:
             raise ValueError("attention: a tile the kernel does not take")
         if plan.sdpa_meta is not None:
-            ref.extend_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts)
+            sdpa_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts)
         return out
 
     # -- whole decode step -----------------------------------------------------------

@@ -7,6 +7,8 @@ across block boundaries and past 1,024 and 4,096 tokens; one and two threads. Th
 without losing a unit.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -90,3 +92,24 @@ def test_unit_ranges_cover_every_unit_once_at_about_equal_cost(be, tile_everythi
         assert ranges[-1][1] == n
     costs = [sum(plan._costs[lo:hi]) for lo, hi in plan.unit_ranges(2)]
     assert max(costs) < 0.55 * sum(costs)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+@pytest.mark.parametrize("qlen,ctx", [(40, 41), (40, 1124), (300, 300), (17, 200)])
+def test_sdpa_rows_split_a_continued_chunk_and_match_the_masked_call(g, qlen, ctx):
+    """A chunk that continues a prompt goes to SDPA as its prefix and its causal square,
+    merged by log-sum-exp: the same values as one masked call (torch_backend's), down to
+    a one-key prefix; a whole prompt keeps the single causal call."""
+    gen = torch.Generator().manual_seed(g * qlen + ctx)
+    hkv, d, bs = 2, 64, 16
+    meta = _meta([1, qlen], [9, ctx], -(-ctx // bs) + 4, bs, gen)
+    kc = torch.randn(-(-ctx // bs) + 4, bs, hkv, d, generator=gen)
+    vc = torch.randn_like(kc)
+    q = torch.randn(1 + qlen, g * hkv, d, generator=gen)
+    sdpa_meta = replace(meta, query_lens_cpu=[0, qlen])
+    starts = ref.query_starts(meta)
+    got, want = torch.zeros_like(q), torch.zeros_like(q)
+    cpu_attention.sdpa_rows(q, kc, vc, sdpa_meta, d**-0.5, got, starts)
+    ref.extend_rows(q, kc, vc, sdpa_meta, d**-0.5, want, starts)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got[0], torch.zeros_like(q[0]))  # a one-row sequence is not SDPA's
