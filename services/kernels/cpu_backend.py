@@ -10,9 +10,9 @@ op of the same contract, so the backend is always complete.
 - Linear: a streaming GEMV for 1-32 rows (batch-1 decode is bound by weight reads) on W^T
   (the column-major weights models keep on CPU) or W row-major (a tied LM head, i.e. the
   embedding table: see epd_gemv_rm), and
-  oneDNN's fp32 GEMM beyond (5-25 % faster than MKL's on the shapes of a decode step on
-  this AMD CPU, where MKL does not use its AVX-512 path); F.linear for a few rows on other
-  layouts.
+  beyond, oneDNN's fp32 GEMM on AMD CPUs (5-25 % faster than MKL's on the shapes of a
+  decode step, where MKL does not use its AVX-512 path) and MKL's on Intel (5-25 % faster
+  than oneDNN's there); F.linear for a few rows on other layouts.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
 - A pure decode step of up to GEMV_MAX_ROWS sequences runs the whole decoder stack in one
   native call per thread (``decode_stack``, see ``cpu_stack``): op by op, Python dispatch
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,19 @@ GEMV_RM_MAX_ROWS = 16
 GEMM_MIN_ROWS = 8
 _F32 = torch.float32
 _ptr, _fp32, _layout = cpu_native.ptr, cpu_native.fp32, cpu_native.gemv_layout
+
+
+def _prefer_mkldnn() -> bool:
+    """oneDNN's GEMM for linears past the GEMV's rows, or torch's own (MKL)? On AMD CPUs MKL
+    skips its AVX-512 path and oneDNN was 5-25 % faster on a decode step's shapes; on Intel
+    MKL is 5-25 % faster than oneDNN with unpacked weights (64-2048 rows, the peers Llama's
+    matrices and LM head). Chosen by vendor, never by a timing at start-up, so a given
+    machine always sums the same way."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return _mkldnn_linear_works()
+    return "GenuineIntel" not in info and _mkldnn_linear_works()
 
 
 def _mkldnn_linear_works() -> bool:
@@ -73,7 +87,7 @@ class CpuBackend:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        self.use_mkldnn = _mkldnn_linear_works()
+        self.use_mkldnn = _prefer_mkldnn()
         self._plan: tuple[weakref.ref | None, AttentionPlan | None] = (None, None)
         self._checked_positions: tuple[weakref.ref | None, int] = (None, 0)
         self._native_stack = NativeStack(lib, GEMV_MAX_ROWS)
