@@ -40,8 +40,9 @@ from services.kernels.metadata import AttentionMetadata, DecoderStack
 # weight-bound model: it loads each weight vector once for up to 32 rows (epd_gemv_rows.c).
 # The 56 M peers Llama's 32 layer matrices on an AVX-512 core, with FMA: 18.1 against
 # 24.9 ms at 32 rows, its LM head 12.1 against 17.8; at 48 rows 27.2 against 28.6, at 64
-# a tie (33.3 against 32.7): past 32 the one-call step's gain is gone
-# (docs/cpu-performance.md, "Multi-row GEMV" and "FMA and AVX-512").
+# a tie (33.3 against 32.7): past 32 the one-call step's gain is gone (a cap of 64: w64
+# 0.96x at one thread, 1.01x at two; docs/cpu-performance.md, "Multi-row GEMV" and
+# "FMA and AVX-512").
 GEMV_MAX_ROWS = 32
 # epd_gemv_rm (row-major W: a tied LM head) has no multi-row kernel: its measured cap.
 GEMV_RM_MAX_ROWS = 16
