@@ -135,14 +135,14 @@ def sdpa_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, ou
             continue
         s, table = starts[b], meta.block_tables[b]
         if qlen == ctx:
-            out[s : s + qlen] = ref._extend_one(query[s : s + qlen], k_cache, v_cache, table,
+            out[s : s + qlen] = ref.extend_one(query[s : s + qlen], k_cache, v_cache, table,
                                                 qlen, ctx, scale)  # fmt: skip
         else:
-            out[s : s + qlen] = _continued(query[s : s + qlen], k_cache, v_cache, table, qlen,
+            out[s : s + qlen] = _continued_chunk(query[s : s + qlen], k_cache, v_cache, table, qlen,
                                            ctx, scale)  # fmt: skip
 
 
-def _continued(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):
+def _continued_chunk(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):
     """Causal attention of qlen new rows over ctx > qlen cached rows, as two flash calls:
     every row sees the whole prefix (ctx - qlen keys, no mask) and its causal part of the
     last qlen keys (a square: is_causal), merged by their log-sum-exps (within ~4e-7 of
@@ -151,8 +151,8 @@ def _continued(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: f
     group, p = hq // k_cache.shape[2], ctx - qlen
     blocks = table_row[: (ctx + bs - 1) // bs].long()
     # [1, Hq, ctx, D]: the flash op has no GQA; the copy is ~2 % of the call
-    k = ref._gather(k_cache, blocks, ctx).transpose(0, 1).repeat_interleave(group, 0)[None]
-    v = ref._gather(v_cache, blocks, ctx).transpose(0, 1).repeat_interleave(group, 0)[None]
+    k = ref.gather_blocks(k_cache, blocks, ctx).transpose(0, 1).repeat_interleave(group, 0)[None]
+    v = ref.gather_blocks(v_cache, blocks, ctx).transpose(0, 1).repeat_interleave(group, 0)[None]
     q = query.transpose(0, 1)[None]
     o1, lse1 = _FLASH(q, k[:, :, :p], v[:, :, :p], 0.0, False, scale=scale)
     o2, lse2 = _FLASH(q, k[:, :, p:], v[:, :, p:], 0.0, True, scale=scale)

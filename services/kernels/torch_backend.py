@@ -33,7 +33,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """[num_blocks, bs, H, D] indexed by a block list -> the first `length` rows [L, H, D]."""
     _, bs, h, d = cache.shape
     # index_select copies whole blocks; advanced indexing is several times slower on CPU.
@@ -109,12 +109,12 @@ def _decode_attention(query, k_cache, v_cache, groups: list[_DecodeGroup], scale
     return out
 
 
-def _extend_one(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):
+def extend_one(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):
     """Causal attention of one sequence's qlen new rows over its ctx cached rows."""
     hq, hkv, bs = query.shape[1], k_cache.shape[2], k_cache.shape[1]
     blocks = table_row[: (ctx + bs - 1) // bs].long()
-    k = _gather(k_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
-    v = _gather(v_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
+    k = gather_blocks(k_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
+    v = gather_blocks(v_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
     q = query.transpose(0, 1)[None]
     mask = None
     if qlen != ctx:
@@ -141,7 +141,7 @@ def extend_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         if qlen > 1 and ctx >= min_context:
             s = starts[b]
-            out[s : s + qlen] = _extend_one(
+            out[s : s + qlen] = extend_one(
                 query[s : s + qlen], k_cache, v_cache, meta.block_tables[b], qlen, ctx, scale
             )
 

@@ -27,12 +27,33 @@
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 /* y + a_0 w_0 + ... + a_7 w_7, one fused product at a time (the one-row kernel's order). */
-#define CHAIN(Y, A)                                                                           \
-    fma8(W7, A[7], fma8(W6, A[6], fma8(W5, A[5], fma8(W4, A[4], fma8(W3, A[3],                \
-        fma8(W2, A[2], fma8(W1, A[1], fma8(W0, A[0], Y))))))))
+#define CHAIN(FMA, Y, A)                                                                      \
+    FMA(W7, A[7], FMA(W6, A[6], FMA(W5, A[5], FMA(W4, A[4], FMA(W3, A[3], FMA(W2, A[2],     \
+        FMA(W1, A[1], FMA(W0, A[0], Y))))))))
 
-/* acc[r, :n] += t_i for the eight weight rows w[0..7] (each at its own k-run) of pass i,
- * a[r * 8 + q] = x[r, q-th run's row i] broadcast. */
+/* One column step of pass(), at column j, in vectors of type V: the eight weight vectors
+ * loaded once into registers, then added into every row's accumulator, rows two at a time
+ * (two add chains in flight). */
+#define COLUMN_STEP(V, LOAD, STORE, FMA)                                                      \
+    do {                                                                                      \
+        const V W0 = LOAD(w[0] + j), W1 = LOAD(w[1] + j), W2 = LOAD(w[2] + j);               \
+        const V W3 = LOAD(w[3] + j), W4 = LOAD(w[4] + j), W5 = LOAD(w[5] + j);               \
+        const V W6 = LOAD(w[6] + j), W7 = LOAD(w[7] + j);                                    \
+        int64_t r = 0;                                                                        \
+        for (; r + 2 <= m; r += 2) {                                                          \
+            const v8 *A = a + 8 * r, *B = A + 8;                                              \
+            float *y0 = acc + r * lda + j, *y1 = y0 + lda;                                    \
+            const V u0 = CHAIN(FMA, LOAD(y0), A), u1 = CHAIN(FMA, LOAD(y1), B);              \
+            STORE(y0, u0);                                                                    \
+            STORE(y1, u1);                                                                    \
+        }                                                                                     \
+        if (r < m) {                                                                          \
+            const v8 *A = a + 8 * r;                                                          \
+            float *y0 = acc + r * lda + j;                                                    \
+            STORE(y0, CHAIN(FMA, LOAD(y0), A));                                               \
+        }                                                                                     \
+    } while (0)
+
 #if defined(__AVX512F__)
 typedef float v16 __attribute__((vector_size(64)));
 static inline v16 load16(const float *p) {
@@ -41,62 +62,30 @@ static inline v16 load16(const float *p) {
     return v;
 }
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 fma16(v16 a, float b, v16 c) {
-    return (v16)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(b), (__m512)c);
+/* w * x[0] + y on sixteen lanes (x: a pre-broadcast v8 of pass()'s a[]) */
+static inline v16 fma16(v16 w, v8 x, v16 y) {
+    return (v16)_mm512_fmadd_ps((__m512)w, _mm512_set1_ps(x[0]), (__m512)y);
 }
-#define CHAIN16(Y, A)                                                                         \
-    fma16(W7, A[7][0], fma16(W6, A[6][0], fma16(W5, A[5][0], fma16(W4, A[4][0],              \
-        fma16(W3, A[3][0], fma16(W2, A[2][0], fma16(W1, A[1][0], fma16(W0, A[0][0], Y))))))))
 
-/* pass()'s sixteen-column steps, on AVX-512 registers: per element the same fused sums. */
+/* pass()'s columns sixteen at a time, on AVX-512 registers: per element the same sums;
+ * returns how many columns it took. */
 static int64_t pass16(float *acc, int64_t lda, const v8 *a, const float *const *w, int64_t m,
                       int64_t n) {
     const int64_t nv = n / 16 * 16;
-    for (int64_t j = 0; j < nv; j += 16) {
-        const v16 W0 = load16(w[0] + j), W1 = load16(w[1] + j), W2 = load16(w[2] + j);
-        const v16 W3 = load16(w[3] + j), W4 = load16(w[4] + j), W5 = load16(w[5] + j);
-        const v16 W6 = load16(w[6] + j), W7 = load16(w[7] + j);
-        int64_t r = 0;
-        for (; r + 2 <= m; r += 2) {
-            const v8 *A = a + 8 * r, *B = A + 8;
-            float *y0 = acc + r * lda + j, *y1 = y0 + lda;
-            const v16 u0 = CHAIN16(load16(y0), A), u1 = CHAIN16(load16(y1), B);
-            store16(y0, u0);
-            store16(y1, u1);
-        }
-        if (r < m) {
-            const v8 *A = a + 8 * r;
-            float *y0 = acc + r * lda + j;
-            store16(y0, CHAIN16(load16(y0), A));
-        }
-    }
+    for (int64_t j = 0; j < nv; j += 16) COLUMN_STEP(v16, load16, store16, fma16);
     return nv;
 }
 #else
 #define pass16(acc, lda, a, w, m, n) ((int64_t)0) /* pass's eight-column steps take them all */
 #endif
 
+/* acc[r, :n] += the products of the eight weight rows w[0..7] (each at its own k-run) of
+ * pass i, a[r * 8 + q] = x[r, q-th run's row i] broadcast. */
 static void pass(float *acc, int64_t lda, const v8 *a, const float *const *w, int64_t m,
                  int64_t n) {
     const int64_t nv = n / 8 * 8;
-    for (int64_t j = pass16(acc, lda, a, w, m, n); j < nv; j += 8) {
-        const v8 W0 = load8(w[0] + j), W1 = load8(w[1] + j), W2 = load8(w[2] + j);
-        const v8 W3 = load8(w[3] + j), W4 = load8(w[4] + j), W5 = load8(w[5] + j);
-        const v8 W6 = load8(w[6] + j), W7 = load8(w[7] + j);
-        int64_t r = 0;
-        for (; r + 2 <= m; r += 2) {
-            const v8 *A = a + 8 * r, *B = A + 8;
-            float *y0 = acc + r * lda + j, *y1 = y0 + lda;
-            const v8 u0 = CHAIN(load8(y0), A), u1 = CHAIN(load8(y1), B);
-            store8(y0, u0);
-            store8(y1, u1);
-        }
-        if (r < m) {
-            const v8 *A = a + 8 * r;
-            float *y0 = acc + r * lda + j;
-            store8(y0, CHAIN(load8(y0), A));
-        }
-    }
+    for (int64_t j = pass16(acc, lda, a, w, m, n); j < nv; j += 8)
+        COLUMN_STEP(v8, load8, store8, fma8);
     for (int64_t j = nv; j < n; j++)
         for (int64_t r = 0; r < m; r++) {
             const v8 *A = a + 8 * r;
