@@ -124,22 +124,14 @@ def _tile_units(units: list, costs: list, b: int, start: int, q: int, ctx: int, 
             costs.append((pos0 + m) * (m * g + 8))  # + 8: a unit's fixed cost, in queries
 
 
-def sdpa_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
-              starts: list[int]) -> None:  # fmt: skip
-    """``torch_backend.extend_rows`` for the plan's SDPA sequences, with chunks that continue
-    a prompt (fewer rows than context) cut in two: torch's CPU flash kernel skips the blocks
-    above the diagonal only for ``is_causal``, and with the explicit mask such a chunk needs
-    it computes every block of the rectangle (1952 rows over 2000: 84 ms, split 50)."""
-    for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-        if qlen < 2:
-            continue
-        s, table = starts[b], meta.block_tables[b]
-        if qlen == ctx:
-            out[s : s + qlen] = ref.extend_one(query[s : s + qlen], k_cache, v_cache, table,
-                                                qlen, ctx, scale)  # fmt: skip
-        else:
-            out[s : s + qlen] = _continued_chunk(query[s : s + qlen], k_cache, v_cache, table, qlen,
-                                           ctx, scale)  # fmt: skip
+def extend_one_split(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):
+    """``torch_backend.extend_one``'s contract, with a chunk that continues a prompt (fewer
+    rows than context) cut in two: torch's CPU flash kernel skips the blocks above the
+    diagonal only for ``is_causal``, and with the explicit mask such a chunk needs it
+    computes every block of the rectangle (1952 rows over 2000: 84 ms, split 50)."""
+    if qlen == ctx:
+        return ref.extend_one(query, k_cache, v_cache, table_row, qlen, ctx, scale)
+    return _continued_chunk(query, k_cache, v_cache, table_row, qlen, ctx, scale)
 
 
 def _continued_chunk(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: float):

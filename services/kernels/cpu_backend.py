@@ -24,6 +24,7 @@ run on (``csrc/epd_parallel.c``; ctypes releases the GIL).
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
-from services.kernels.cpu_attention import AttentionPlan, sdpa_rows
+from services.kernels.cpu_attention import AttentionPlan, extend_one_split
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata, DecoderStack
 
@@ -51,6 +52,7 @@ _F32 = torch.float32
 _ptr, _fp32, _layout = cpu_native.ptr, cpu_native.fp32, cpu_native.gemv_layout
 
 
+@functools.cache
 def _prefer_mkldnn() -> bool:
     """oneDNN's GEMM for linears past the GEMV's rows, or torch's own (MKL)? On AMD CPUs MKL
     skips its AVX-512 path and oneDNN was 5-25 % faster on a decode step's shapes; on Intel
@@ -143,7 +145,8 @@ class CpuBackend:
         if rc != 0:
             raise ValueError("attention: a tile the kernel does not take")
         if plan.sdpa_meta is not None:
-            sdpa_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts)
+            ref.extend_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts,
+                            one=extend_one_split)  # fmt: skip
         return out
 
     # -- whole decode step -----------------------------------------------------------

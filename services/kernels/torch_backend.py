@@ -135,13 +135,15 @@ def query_starts(meta: AttentionMetadata) -> list[int]:
 
 
 def extend_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, starts,
-                min_context: int = 0):  # fmt: skip
+                min_context: int = 0, one=None):  # fmt: skip
     """Attention of every sequence with more than one new row (and a context of at least
-    ``min_context``), one by one, into out."""
+    ``min_context``), one by one, into out; ``one``: extend_one's contract (the cpu
+    backend passes its own)."""
+    one = one or extend_one
     for b, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         if qlen > 1 and ctx >= min_context:
             s = starts[b]
-            out[s : s + qlen] = extend_one(
+            out[s : s + qlen] = one(
                 query[s : s + qlen], k_cache, v_cache, meta.block_tables[b], qlen, ctx, scale
             )
 

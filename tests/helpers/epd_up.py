@@ -29,6 +29,8 @@ class Running:
     redis_url: str = ""  # without credentials
     lines: list[str] = field(default_factory=list)  # the output so far, read by a thread
     _reader: threading.Thread | None = None
+    _more: threading.Condition = field(default_factory=threading.Condition)  # a line came
+    _ended: bool = False  # the output closed (the process is gone)
 
     @property
     def base_url(self) -> str:
@@ -42,7 +44,12 @@ class Running:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.lines.append(line)
+            with self._more:
+                self.lines.append(line)
+                self._more.notify_all()
+        with self._more:
+            self._ended = True
+            self._more.notify_all()
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -51,10 +58,12 @@ class Running:
         """Until a line containing ``text`` was printed; the process exiting or the
         time running out first is an error."""
         deadline = time.monotonic() + timeout_s
-        while not any(text in line for line in list(self.lines)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise TimeoutError(f"`epd up` never printed {text!r}")
-            time.sleep(0.1)
+        with self._more:
+            while not any(text in line for line in self.lines):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._ended:
+                    raise TimeoutError(f"`epd up` never printed {text!r}")
+                self._more.wait(timeout=left)
 
     def stop(self, timeout_s: float = 60) -> str:
         """SIGTERM, wait; the whole output (the test checks the exit code)."""

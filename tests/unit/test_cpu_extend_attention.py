@@ -96,7 +96,7 @@ def test_unit_ranges_cover_every_unit_once_at_about_equal_cost(be, tile_everythi
 
 @pytest.mark.parametrize("g", [1, 2, 4])
 @pytest.mark.parametrize("qlen,ctx", [(40, 41), (40, 1124), (300, 300), (17, 200)])
-def test_sdpa_rows_split_a_continued_chunk_and_match_the_masked_call(g, qlen, ctx):
+def test_a_continued_chunk_is_split_and_matches_the_masked_call(g, qlen, ctx):
     """A chunk that continues a prompt goes to SDPA as its prefix and its causal square,
     merged by log-sum-exp: the same values as one masked call (torch_backend's), down to
     a one-key prefix; a whole prompt keeps the single causal call."""
@@ -109,7 +109,7 @@ def test_sdpa_rows_split_a_continued_chunk_and_match_the_masked_call(g, qlen, ct
     sdpa_meta = replace(meta, query_lens_cpu=[0, qlen])
     starts = ref.query_starts(meta)
     got, want = torch.zeros_like(q), torch.zeros_like(q)
-    cpu_attention.sdpa_rows(q, kc, vc, sdpa_meta, d**-0.5, got, starts)
+    ref.extend_rows(q, kc, vc, sdpa_meta, d**-0.5, got, starts, one=cpu_attention.extend_one_split)
     ref.extend_rows(q, kc, vc, sdpa_meta, d**-0.5, want, starts)
     torch.testing.assert_close(got, want, **TOL)
     assert torch.equal(got[0], torch.zeros_like(q[0]))  # a one-row sequence is not SDPA's
