@@ -58,9 +58,11 @@ class SentenceEmbedder:
 
 
 class SentenceBatcher:
-    """``await embed(text)`` -> its vector; concurrent calls share model passes, and the
-    last ``recent`` texts' vectors are kept: a miss's answer is stored under the question
-    its lookup just embedded, which then costs no second pass."""
+    """``await embed(text)`` -> its vector; concurrent calls share model passes (one pass
+    per text in flight, however many wait for it), and the last ``recent`` texts' vectors
+    are kept: a miss's answer is stored under the question its lookup just embedded,
+    which then costs no second pass. ``prefetch(text)`` starts one that a lookup on its
+    way will want."""
 
     def __init__(self, embedder: SentenceEmbedder, max_batch: int = 64, recent: int = 1024):
         self.embedder = embedder
@@ -69,12 +71,34 @@ class SentenceBatcher:
         self._busy = False
         self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
         self._recent_max = recent
+        self._inflight: dict[str, asyncio.Future] = {}
 
     async def embed(self, text: str) -> np.ndarray:
         vec = self._recent.get(text)
         if vec is not None:
             self._recent.move_to_end(text)
             return vec
+        # Shielded: a waiter that gives up (its lookup hit the exact tier) leaves the pass
+        # to the others and to the recent texts.
+        return await asyncio.shield(self._start(text))
+
+    def prefetch(self, text: str) -> None:
+        if text not in self._recent:
+            self._start(text)
+
+    def _start(self, text: str) -> asyncio.Future:
+        fut = self._inflight.get(text)
+        if fut is None:
+            fut = self._inflight[text] = asyncio.ensure_future(self._embed_and_keep(text))
+            fut.add_done_callback(lambda f: self._done(text, f))
+        return fut
+
+    def _done(self, text: str, fut: asyncio.Future) -> None:
+        del self._inflight[text]
+        if not fut.cancelled():
+            fut.exception()  # read: a prefetch nobody awaited must not log "never retrieved"
+
+    async def _embed_and_keep(self, text: str) -> np.ndarray:
         vec = await self._embed(text)
         self._recent[text] = vec
         if len(self._recent) > self._recent_max:

@@ -80,6 +80,9 @@ def fits(answer: bus_pb2.CachedAnswer, max_tokens: int) -> bool:
 class SemanticCache:
     def __init__(self, store: AnswerStore, embed: SentenceBatcher, config: SemanticCacheConfig):
         self.store, self.embed, self.config = store, embed, config
+        # This replica's instance id, named in an exact miss's reply (the full lookup then
+        # comes to it); empty in one process (``epd serve all``).
+        self.name = ""
         self.index = SemanticIndex(config.cache_ann_from)
         self._follower: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # graph builds
@@ -188,8 +191,17 @@ class SemanticCache:
                 vec.cancel()
             return bus_pb2.CacheLookupReply(hit=True, tier="exact", similarity=1.0, answer=hit)
         if vec is None:
-            return bus_pb2.CacheLookupReply()
+            return self._exact_miss(q)
         return await self._semantic(q, await vec)
+
+    def _exact_miss(self, q: bus_pb2.CacheQuery) -> bus_pb2.CacheLookupReply:
+        """The reply to a miss without the semantic tier. After an exact-only miss the
+        gateway's full lookup follows, so the text's embedding (the long part) starts now
+        rather than a round trip later, and the reply names this replica for it."""
+        if not (q.exact_only and q.text and not q.vector):
+            return bus_pb2.CacheLookupReply()
+        self.embed.prefetch(q.text)
+        return bus_pb2.CacheLookupReply(embedding_on=self.name)
 
     async def _semantic(self, q: bus_pb2.CacheQuery, vec: np.ndarray) -> bus_pb2.CacheLookupReply:
         """The nearest stored questions of the fingerprint, best first, through the guard."""

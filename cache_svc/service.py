@@ -52,6 +52,7 @@ class CacheService(Service):
         # a team that oversubscribes the cores the engine services share.
         torch.set_num_threads(1)
         self.cache = await open_cache(self.config.redis_url, self.cache_config)
+        self.cache.name = self.instance_id
 
     async def register(self) -> None:
         # Any replica answers: the drain leaves both queue groups to the others.
@@ -59,6 +60,10 @@ class CacheService(Service):
                                  (subjects.CACHE_STORE, self._on_store)):  # fmt: skip
             await self.serve_work(subject, handler, queue=subjects.QUEUE_CACHE,
                                   max_concurrency=256)  # fmt: skip
+        # Full lookups sent here because this replica is embedding their text (named in
+        # the exact miss's reply); taken while draining too: that embedding is under way.
+        await self.serve_work(subjects.cache_lookup_at(self.instance_id), self._on_lookup,
+                              max_concurrency=256, while_draining=True)  # fmt: skip
         # The semantic router's embeddings share the cache's batcher (one model pass).
         self._embed = EmbedHandler(self.cache.embed)
         await self.serve_work(subjects.cache("embed"), self._on_embed,

@@ -48,6 +48,9 @@ class PreparedRequest:
     cache_mode: str = "default"
     cache_status: str = "miss"  # "hit-exact", "hit-semantic", "miss"
     cache_similarity: float | None = None
+    # The cache replica that began embedding the question at the exact miss: the full
+    # lookup goes to it. Empty: any replica.
+    cache_replica: str = ""
     # Routing affinity (consistent_hash policy): the x-session-id header, else `user`.
     session_key: str = ""
     # What the semantic router did, as response headers (x-epd-model, x-epd-route,

@@ -38,7 +38,7 @@ _NOT_KEYED = ("max_tokens", "detokenize", "seed")  # max_tokens: see cache_svc f
 
 class CacheClient(Protocol):
     async def lookup(
-        self, query: bus_pb2.CacheQuery, timeout_s: float
+        self, query: bus_pb2.CacheQuery, timeout_s: float, replica: str = ""
     ) -> bus_pb2.CacheLookupReply: ...
     async def store(
         self, req: bus_pb2.CacheStoreRequest, timeout_s: float
@@ -57,7 +57,16 @@ class BusCacheClient:
         self.bus, self.absent_s, self.clock = bus, absent_s, clock
         self._absent_until = 0.0
 
-    async def lookup(self, query, timeout_s):
+    async def lookup(self, query, timeout_s, replica=""):
+        """``replica``: the instance to ask (it is embedding the query's text), any other
+        one when it is gone."""
+        if replica:
+            deadline = self.clock() + timeout_s
+            try:
+                return await self.bus.request(subjects.cache_lookup_at(replica), query,
+                                              bus_pb2.CacheLookupReply, timeout_s)  # fmt: skip
+            except NoResponders:
+                timeout_s = max(deadline - self.clock(), 0.001)
         return await self._ask(subjects.CACHE_LOOKUP, query, bus_pb2.CacheLookupReply, timeout_s)
 
     async def store(self, req, timeout_s):
@@ -79,7 +88,7 @@ class LocalCacheClient:
     def __init__(self, cache):
         self.cache = cache
 
-    async def lookup(self, query, timeout_s):
+    async def lookup(self, query, timeout_s, replica=""):
         return await asyncio.wait_for(self.cache.lookup(query), timeout_s)
 
     async def store(self, req, timeout_s):
@@ -119,9 +128,14 @@ class ResponseCache:
         exact-only lookup counts only its hits: the full one follows a miss (the one
         ``head_start`` sent, when it did)."""
         if exact_only:
-            return self._answer(prep, await self._ask(query_of, True), exact_only)
+            reply = await self._ask(query_of, True)
+            if reply is not None and not reply.hit and _token(reply.embedding_on):
+                prep.cache_replica = reply.embedding_on
+            return self._answer(prep, reply, exact_only)
         early = self._early.pop(id(prep), None)
-        reply = await (early if early is not None else self._ask(query_of, False))
+        if early is None:
+            early = self._ask(query_of, False, prep.cache_replica)
+        reply = await early
         return self._answer(prep, reply, exact_only)
 
     async def head_start(self, prep: PreparedRequest,
@@ -135,7 +149,9 @@ class ResponseCache:
         wait_s = self.config.cache_head_start_ms / 1e3
         if wait_s <= 0 or not query_of.text:
             return None
-        early = self._early[id(prep)] = asyncio.ensure_future(self._ask(query_of, False))
+        early = self._early[id(prep)] = asyncio.ensure_future(
+            self._ask(query_of, False, prep.cache_replica)
+        )
         try:
             done, _ = await asyncio.wait({early}, timeout=wait_s)
         except BaseException:
@@ -152,16 +168,17 @@ class ResponseCache:
         if early is not None:
             early.cancel()
 
-    async def _ask(self, query_of: bus_pb2.CacheQuery,
-                   exact_only: bool) -> bus_pb2.CacheLookupReply | None:  # fmt: skip
-        """The cache's reply; None when it is slow or gone (the engine serves it)."""
+    async def _ask(self, query_of: bus_pb2.CacheQuery, exact_only: bool,
+                   replica: str = "") -> bus_pb2.CacheLookupReply | None:  # fmt: skip
+        """The cache's reply (from ``replica`` if named); None when it is slow or gone
+        (the engine serves it)."""
         query = bus_pb2.CacheQuery(exact_only=exact_only)
         query.MergeFrom(query_of)
         timeout_s = self.config.cache_lookup_timeout_ms / 1e3
         if exact_only:  # it holds the workers back: a slow cache must not
             timeout_s = min(timeout_s, self.config.cache_exact_timeout_ms / 1e3)
         try:
-            return await self.client.lookup(query, timeout_s)
+            return await self.client.lookup(query, timeout_s, replica)
         except Exception as e:
             log.debug("cache lookup failed: %r", e)
             return None
@@ -244,6 +261,14 @@ def _plain(message: dict) -> dict:
     if isinstance(content, list):
         content = [p if p.get("type") == "text" else {"type": "image"} for p in content]
     return {"role": message.get("role"), "content": content}
+
+
+def _token(name: str) -> bool:
+    """A replica name from the bus that can be a subject token (else it is ignored)."""
+    try:
+        return 0 < len(name) <= 128 and subjects.check_token(name) == name
+    except ValueError:
+        return False
 
 
 def _sha(obj) -> str:

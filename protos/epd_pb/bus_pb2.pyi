@@ -369,18 +369,20 @@ class CacheQuery(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., exact_key: _Optional[str] = ..., text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., exact_only: _Optional[bool] = ..., vector: _Optional[bytes] = ...) -> None: ...
 
 class CacheLookupReply(_message.Message):
-    __slots__ = ("hit", "tier", "similarity", "answer", "error")
+    __slots__ = ("hit", "tier", "similarity", "answer", "error", "embedding_on")
     HIT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_ON_FIELD_NUMBER: _ClassVar[int]
     hit: bool
     tier: str
     similarity: float
     answer: CachedAnswer
     error: Error
-    def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[str] = ..., similarity: _Optional[float] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    embedding_on: str
+    def __init__(self, hit: _Optional[bool] = ..., tier: _Optional[str] = ..., similarity: _Optional[float] = ..., answer: _Optional[_Union[CachedAnswer, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., embedding_on: _Optional[str] = ...) -> None: ...
 
 class CacheStoreRequest(_message.Message):
     __slots__ = ("query", "answer")

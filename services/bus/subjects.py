@@ -53,6 +53,12 @@ def cache(op: str) -> str:
     return f"{PREFIX}.cache.{check_token(op, 'cache op')}"
 
 
+def cache_lookup_at(instance_id: str) -> str:
+    """Lookups for one cache replica: ``epd.cache.lookup.<id>`` (the full lookup after an
+    exact miss goes to the replica already embedding its text)."""
+    return f"{CACHE_LOOKUP}.{check_token(instance_id, 'instance id')}"
+
+
 def prefill(model_fingerprint: str, instance_id: str) -> str:
     """Subject of one prefill instance of a model: ``epd.prefill.<fp>.<id>``."""
     return f"{PREFIX}.prefill.{_scoped(model_fingerprint, instance_id)}"

@@ -3,7 +3,9 @@ the semantic cache's accuracy figures may move by: none), one question or a padd
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +68,44 @@ async def test_a_recent_question_is_not_embedded_again(embedder):
     await batcher.embed("c?")  # past the bound: the first question is forgotten
     await batcher.embed("how tall is the eiffel tower?")
     assert len(calls) == 4
+
+
+async def test_a_prefetch_and_the_lookups_after_it_share_one_pass(embedder):
+    """An exact miss starts its question's embedding; the full lookup that follows (and
+    any other waiting for the same text) awaits that pass, and a waiter that gives up
+    does not cancel it for the others."""
+    calls: list[list[str]] = []
+    gate = threading.Event()
+
+    def gated(texts: list[str]) -> np.ndarray:
+        calls.append(texts)
+        gate.wait(10)
+        return embedder(texts)
+
+    batcher = SentenceBatcher(gated)
+    batcher.prefetch("how tall is the eiffel tower?")
+    await asyncio.sleep(0.05)  # the pass is running in its thread
+    quitter = asyncio.ensure_future(batcher.embed("how tall is the eiffel tower?"))
+    waiter = asyncio.ensure_future(batcher.embed("how tall is the eiffel tower?"))
+    await asyncio.sleep(0.01)
+    quitter.cancel()
+    gate.set()
+    vec = await waiter
+    assert calls == [["how tall is the eiffel tower?"]]
+    assert np.array_equal(vec, embedder(["how tall is the eiffel tower?"])[0])
+    batcher.prefetch("how tall is the eiffel tower?")  # known: nothing to do
+    assert await batcher.embed("how tall is the eiffel tower?") is vec and len(calls) == 1
+    assert not batcher._inflight
+
+
+async def test_a_failed_prefetch_fails_its_waiters_and_is_forgotten(embedder):
+    def broken(texts: list[str]) -> np.ndarray:
+        raise RuntimeError("no model")
+
+    batcher = SentenceBatcher(broken)
+    batcher.prefetch("q?")
+    with pytest.raises(RuntimeError, match="no model"):
+        await batcher.embed("q?")
+    batcher.prefetch("r?")  # nobody awaits it: the error is read, not logged as lost
+    await asyncio.sleep(0.05)
+    assert not batcher._inflight

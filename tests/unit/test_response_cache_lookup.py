@@ -1,10 +1,13 @@
 """EPD_CACHE_HEAD_START_MS: after an exact miss the full (semantic) lookup runs alone for
 that long; a hit within it is the answer (the workers never start), past it the same
-lookup goes on beside the workers, and nothing is left behind."""
+lookup goes on beside the workers, and nothing is left behind. The full lookup goes to
+the replica that the exact miss's reply names (it is embedding the question)."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from cache_svc.config import SemanticCacheConfig
 from gateway.prepare import PreparedRequest
@@ -16,15 +19,17 @@ from services.sampling_params import SamplingParams
 class ScriptedCache:
     """A CacheClient whose replies the test releases, kind by kind."""
 
-    def __init__(self, exact_hit: bool) -> None:
-        self.exact_hit = exact_hit
+    def __init__(self, exact_hit: bool, embedding_on: str = "") -> None:
+        self.exact_hit, self.embedding_on = exact_hit, embedding_on
         self.sent: list[bool] = []  # exact_only of each query, in order
+        self.replicas: list[str] = []  # the replica each query was sent to ("": any)
         self.release = {True: asyncio.Event(), False: asyncio.Event()}
         self.cancelled: list[bool] = []
         self.any_sent = asyncio.Event()
 
-    async def lookup(self, query: bus_pb2.CacheQuery, timeout_s: float):
+    async def lookup(self, query: bus_pb2.CacheQuery, timeout_s: float, replica: str = ""):
         self.sent.append(query.exact_only)
+        self.replicas.append(replica)
         self.any_sent.set()
         try:
             await self.release[query.exact_only].wait()
@@ -35,14 +40,19 @@ class ScriptedCache:
         tier = "exact" if query.exact_only else "semantic"
         answer = bus_pb2.CachedAnswer(max_tokens=8)
         answer.choices.add(index=0, token_ids=[5, 6])
-        return bus_pb2.CacheLookupReply(hit=hit, tier=tier, similarity=0.9, answer=answer)
+        reply = bus_pb2.CacheLookupReply(hit=hit, tier=tier, similarity=0.9, answer=answer)
+        if query.exact_only and not hit:
+            reply.embedding_on = self.embedding_on
+        return reply
 
     async def store(self, req, timeout_s: float):
         return bus_pb2.CacheStoreReply(stored=True)
 
 
-def _setup(exact_hit: bool) -> tuple[ResponseCache, ScriptedCache, PreparedRequest]:
-    client = ScriptedCache(exact_hit)
+def _setup(
+    exact_hit: bool, embedding_on: str = ""
+) -> tuple[ResponseCache, ScriptedCache, PreparedRequest]:
+    client = ScriptedCache(exact_hit, embedding_on)
     cache = ResponseCache(client, SemanticCacheConfig(), "model-fp")
     prep = PreparedRequest("req-1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8),
                            messages=[{"role": "user", "content": "how tall is it?"}])  # fmt: skip
@@ -94,3 +104,26 @@ async def test_no_head_start_by_default():
     assert await cache.lookup(prep, query, exact_only=True) is None
     assert await cache.head_start(prep, query) is None
     assert client.sent == [True] and not cache._early  # the full lookup waits for the caller
+
+
+@pytest.mark.parametrize("head_start_ms", [0, 60_000])
+async def test_the_full_lookup_goes_to_the_replica_embedding_the_question(head_start_ms):
+    cache, client, prep = _setup(exact_hit=False, embedding_on="cache-7")
+    cache.config = SemanticCacheConfig(cache_head_start_ms=head_start_ms)
+    client.release[True].set()
+    client.release[False].set()
+    query = cache.query(prep)
+    assert await cache.lookup(prep, query, exact_only=True) is None
+    answer = await cache.head_start(prep, query) or await cache.lookup(prep, query, False)
+    assert answer is not None and client.replicas == ["", "cache-7"]
+
+
+@pytest.mark.parametrize("name", ["", "cache.7", "cache *", "x" * 129])
+async def test_a_replica_name_that_is_no_subject_token_is_ignored(name):
+    cache, client, prep = _setup(exact_hit=False, embedding_on=name)
+    client.release[True].set()
+    client.release[False].set()
+    query = cache.query(prep)
+    assert await cache.lookup(prep, query, exact_only=True) is None
+    assert await cache.lookup(prep, query, exact_only=False) is not None
+    assert client.replicas == ["", ""] and prep.cache_replica == ""
