@@ -30,6 +30,50 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 static inline float fma1(float a, float b, float c) { return a * b + c; }
 #endif
 
+/* Sixteen floats as one value: one AVX-512 register, or two AVX ones (GCC splits it;
+ * these helpers are static inline, so the ABI note GCC gives for them does not apply). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512F__)
+static inline v8 lo8(v16 v) { return (v8)_mm512_castps512_ps256((__m512)v); }
+static inline v8 hi8(v16 v) {
+    return (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1));
+}
+#else
+static inline v8 lo8(v16 v) {
+    v8 r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+}
+static inline v8 hi8(v16 v) {
+    v8 r;
+    memcpy(&r, (const char *)&v + sizeof r, sizeof r);
+    return r;
+}
+#endif
+
+/* a * b + c on sixteen lanes, fused as fma8 fuses (the same bits lane by lane). */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    const v8 l = fma8(lo8(a), lo8(b), lo8(c)), h = fma8(hi8(a), hi8(b), hi8(c));
+    v16 r;
+    memcpy(&r, &l, sizeof l);
+    memcpy((char *)&r + sizeof l, &h, sizeof h);
+    return r;
+#endif
+}
+
 #define VW 8 /* partial sums per reduction (8 beat 4 and 16 on the attention here) */
 
 /* Sum of VW partial sums as a tree (vectorizes; a serial chain would cost ~VW adds of

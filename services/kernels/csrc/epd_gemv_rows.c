@@ -55,15 +55,9 @@ static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
     } while (0)
 
 #if defined(__AVX512F__)
-typedef float v16 __attribute__((vector_size(64)));
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 /* w * x[0] + y on sixteen lanes (x: a pre-broadcast v8 of pass()'s a[]) */
-static inline v16 fma16(v16 w, v8 x, v16 y) {
+static inline v16 fma16_x(v16 w, v8 x, v16 y) {
     return (v16)_mm512_fmadd_ps((__m512)w, _mm512_set1_ps(x[0]), (__m512)y);
 }
 
@@ -72,7 +66,7 @@ static inline v16 fma16(v16 w, v8 x, v16 y) {
 static int64_t pass16(float *acc, int64_t lda, const v8 *a, const float *const *w, int64_t m,
                       int64_t n) {
     const int64_t nv = n / 16 * 16;
-    for (int64_t j = 0; j < nv; j += 16) COLUMN_STEP(v16, load16, store16, fma16);
+    for (int64_t j = 0; j < nv; j += 16) COLUMN_STEP(v16, load16, store16, fma16_x);
     return nv;
 }
 #else
