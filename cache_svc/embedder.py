@@ -83,6 +83,7 @@ class SentenceBatcher:
         return await asyncio.shield(self._start(text))
 
     def prefetch(self, text: str) -> None:
+        """Start embedding ``text`` unless it is known or under way (returns at once)."""
         if text not in self._recent:
             self._start(text)
 

@@ -129,7 +129,7 @@ class ResponseCache:
         ``head_start`` sent, when it did)."""
         if exact_only:
             reply = await self._ask(query_of, True)
-            if reply is not None and not reply.hit and _token(reply.embedding_on):
+            if reply is not None and not reply.hit and _usable_replica(reply.embedding_on):
                 prep.cache_replica = reply.embedding_on
             return self._answer(prep, reply, exact_only)
         early = self._early.pop(id(prep), None)
@@ -263,7 +263,7 @@ def _plain(message: dict) -> dict:
     return {"role": message.get("role"), "content": content}
 
 
-def _token(name: str) -> bool:
+def _usable_replica(name: str) -> bool:
     """A replica name from the bus that can be a subject token (else it is ignored)."""
     try:
         return 0 < len(name) <= 128 and subjects.check_token(name) == name

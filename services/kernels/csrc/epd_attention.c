@@ -21,10 +21,10 @@ static inline v8 reduce8(const v8 *x) {
 
 /* s[h * stride] = scale * <q[h], k + koff[h]> for the hq heads of one token (koff[h] =
  * (h / group) * D, worked out once per call: a division per head and token cost more than
- * the dot products), D a compile-time head size (a multiple of 16). Each dot product is one chain of fused
- * multiply-adds over sixteen lanes; heads go eight at a time (the last eight padded with
- * zeros) and their lane sums are reduced together: one dot at a time is bound by its own
- * horizontal sum. Every head is summed the same way, whatever hq. */
+ * the dot products), D a compile-time head size (a multiple of 16). Each dot product is
+ * one chain of fused multiply-adds over sixteen lanes; heads go eight at a time (the last
+ * eight padded with zeros) and their lane sums are reduced together: one dot at a time is
+ * bound by its own horizontal sum. Every head is summed the same way, whatever hq. */
 #define DEFINE_TOKEN_SCORES(D)                                                               \
     static void token_scores_##D(float *s, int64_t stride, const float *q, const float *k,   \
                                  int64_t hq, const int64_t *koff, float scale) {             \
@@ -45,8 +45,9 @@ static inline v8 reduce8(const v8 *x) {
         }                                                                                    \
     }
 
-/* o[h] = sum_t p[h, t] * v_t + koff[h], fused, for NH heads from h0 (a constant where
- * inlined), their sums in registers: each token's V row is read once for all of them. */
+/* o[h] = sum_t p[h, t] * (token t's V at koff[h]), fused, for nh heads from h0 (nh and D
+ * constants where inlined), their sums in registers: each token's V row is read once for
+ * all of them. */
 static inline __attribute__((always_inline)) void weighted_v_heads(
     float *o, const float *p, const float *const *vrows, int64_t len, const int64_t *koff,
     int64_t h0, const int nh, const int D) {
