@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
@@ -145,16 +144,16 @@ def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
     ports = _metrics_ports(roles, observability.metrics_port)
     model_ids = [i.model_id for i in infos]
     children: list[subprocess.Popen] = []
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop.handler)
     try:
         for role, instance, model in roles:
             children.append(_spawn(role, instance, cfg, env, ports.get(instance), model))
         _wait_ready(children, cfg.grpc_port, model_ids, stop)
-        if not stop.is_set():
+        if not stop.asked:
             print(_banner(model_ids, gateway.http_port, cfg.grpc_port, ports), flush=True)
-        while not stop.is_set() and all(c.poll() is None for c in children):
-            stop.wait(0.5)
+        while not stop.asked and all(c.poll() is None for c in children):
+            time.sleep(0.5)  # a signal cuts the sleep short
     except KeyboardInterrupt:
         pass
     finally:
@@ -182,14 +181,26 @@ def _local_servers(cfg: ServiceConfig):
     return nats, redis, dataclasses.replace(cfg, nats_url=nats_url, redis_url=redis.url)
 
 
+class _Stop:
+    """SIGTERM asks ``epd up`` to stop: the handler only sets an attribute. (It set a
+    threading.Event before: Event.set takes the lock that Event.wait holds around its
+    timed sleep, so a handler run in that window never returned, and neither did
+    ``epd up``. Raising KeyboardInterrupt instead could land inside the stop itself.)"""
+
+    asked = False
+
+    def handler(self, *_) -> None:
+        self.asked = True
+
+
 def _wait_ready(children: list[subprocess.Popen], grpc_port: int, models: list[str],
-                stop: threading.Event, timeout_s: float = 300, every_s: float = 5) -> None:  # fmt: skip
+                stop: _Stop, timeout_s: float = 300, every_s: float = 5) -> None:  # fmt: skip
     """Until the gateway is healthy and lists every model, a progress line every
     ``every_s``; a child that exits first (a bad flag, a model that does not load) ends
     the wait with an error."""
     started = time.monotonic()
     model = ", ".join(repr(m) for m in models)
-    while not stop.is_set():
+    while not stop.asked:
         try:
             wait_for_grpc(grpc_port, timeout_s=every_s, models=models)
             return

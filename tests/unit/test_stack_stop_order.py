@@ -52,3 +52,25 @@ def test_a_child_that_does_not_stop_is_killed_and_the_rest_still_stop():
     _stop_children(children, grace_s=0.01)
     assert log == ["term gateway", "exited gateway", "term decode", "timeout decode",
                    "kill decode"]  # fmt: skip
+
+
+def test_sigterm_asks_to_stop_without_taking_a_lock():
+    """`epd up`'s SIGTERM handler only sets an attribute (a threading.Event's set, run
+    inside the main thread's Event.wait, could deadlock on the Event's own lock); a
+    SIGTERM from another thread cuts a sleep like `up`'s loop short and is seen."""
+    import os
+    import threading
+    import time
+
+    from services.stack import _Stop
+
+    stop = _Stop()
+    old = signal.signal(signal.SIGTERM, stop.handler)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        while not stop.asked and time.monotonic() - t0 < 10:
+            time.sleep(0.5)
+        assert stop.asked and time.monotonic() - t0 < 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
