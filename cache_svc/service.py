@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 async def open_cache(redis_url: str, config: SemanticCacheConfig) -> SemanticCache:
     """A started SemanticCache (the model loads in a thread); ``epd serve all`` uses one
     in its own process."""
-    embedder = await asyncio.to_thread(SentenceEmbedder)
+    embedder = await asyncio.to_thread(SentenceEmbedder, None, config.cache_embed_dtype)
     await asyncio.to_thread(embedder, ["warm up"])  # the first pass is several times slower
     cache = SemanticCache(AnswerStore(redis_url), SentenceBatcher(embedder), config)
     await cache.start()

@@ -166,3 +166,12 @@ def test_gateway_config_rejects_out_of_bounds(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         GatewayConfig(**kwargs)
+
+
+def test_cache_config_reads_the_embedding_dtype_and_rejects_others(monkeypatch):
+    from cache_svc.config import SemanticCacheConfig
+
+    monkeypatch.setenv("EPD_CACHE_EMBED_DTYPE", "float32")
+    assert SemanticCacheConfig.from_env().cache_embed_dtype == "float32"
+    with pytest.raises(ValueError, match="cache_embed_dtype"):
+        SemanticCacheConfig(cache_embed_dtype="float16")
