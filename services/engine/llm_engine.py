@@ -12,12 +12,14 @@ from services.config import EngineConfig
 from services.engine.block_manager import BlockManager
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_cache import KVCachePool
+from services.engine.kv_export import KVExports
 from services.engine.kv_import import KVImports
 from services.engine.model_runner import ModelRunner, plain_greedy
 from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import Scheduler
+from services.engine.scheduler_config import SchedulerConfig
 from services.engine.spec_decoding import SpecDecoding
 from services.engine.step_metrics import observe_scheduled, observe_step
 from services.images import ImagePreprocessor
@@ -64,8 +66,7 @@ class LLMEngine:
         )  # fmt: skip
         self.states: dict[str, RequestState] = {}
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
-        self._exports: set[str] = set()
-        self._export_aux: dict[str, torch.Tensor] = {}
+        self.exports = KVExports(self.scheduler, self.kv, self.runner, config.block_size)
         self._rng = random.Random(config.seed)
         self.imports = KVImports(self)
 
@@ -129,7 +130,7 @@ class LLMEngine:
         state.resume(list(resume))
         self.states[request_id] = state
         if export_kv:
-            self._exports.add(request_id)
+            self.exports.pending.add(request_id)
         return req
 
     def import_request(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
@@ -179,7 +180,7 @@ class LLMEngine:
         self._drop_request(request_id)
         if req is None or state is None:
             return None
-        self._exports.discard(request_id)
+        self.exports.pending.discard(request_id)
         state.finish("abort")
         return state.make_output()
 
@@ -192,32 +193,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.parallel.pending)
 
-    def _export_kv(self, sampled: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Copy to host the KV of prefill-role requests (every token known before this
-        step's sample: the prompt, and a migrated request's earlier output) before their
-        blocks are freed."""
-        out = {}
-        for rid in self._exports.intersection(sampled):
-            req = self.scheduler.get_request(rid)
-            n = -(-req.num_tokens // self.config.block_size)
-            out[rid] = self.kv.read_blocks(req.block_ids[:n], to_host=True)
-            self._exports.discard(rid)
-            rows = self.runner.take_aux_rows(rid)  # a draft head's: the last one travels
-            if rows is not None:
-                self._export_aux[rid] = rows[-1:].to("cpu")
-        return out
-
     # -- stepping ---------------------------------------------------------------------
     def _burst_steps(self) -> int:
         """Steps to ask the scheduler for: num_scheduler_steps when every running request
         may take its tokens in a burst (plain greedy, not a prefill-role export) and no
         speculative decoding."""
         n = self.config.num_scheduler_steps
-        if self.spec is not None:  # a step verifies drafts instead
+        if n <= 1 or self.spec is not None or self.exports.pending:  # spec: a step verifies
             return 1
-        if n > 1 and not self._exports and all(plain_greedy(r) for r in self.scheduler.running):
-            return n
-        return 1
+        return n if all(plain_greedy(r) for r in self.scheduler.running) else 1
 
     def _drop_request(self, request_id: str) -> None:
         """Forget a finished or aborted request's runner (and proposer) state."""
@@ -233,19 +217,19 @@ class LLMEngine:
             return (*self.scheduler.update_from_tokens(so, burst), {}, {})
         if self.spec is not None:
             result = self.runner.execute_verify(so.scheduled)
-            exported = self._export_kv({rid: t[0] for rid, t in result.tokens.items()})
+            exported = self.exports.take({rid: t[0] for rid, t in result.tokens.items()})
             self.spec.observe(so, result.tokens)
             finished, new_tokens = self.scheduler.update_from_tokens(so, result.tokens)
             return finished, new_tokens, result.logprobs, exported
         result = self.runner.execute(so.scheduled)
-        exported = self._export_kv(result.sampled)
+        exported = self.exports.take(result.sampled)
         finished = self.scheduler.update_from_output(so, result.sampled)
         new_tokens = {rid: [token] for rid, token in result.sampled.items()}
         return finished, new_tokens, {r: [lp] for r, lp in result.logprobs.items()}, exported
 
     def step(self) -> list[RequestOutput]:
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self._exports, self.runner)
+            self.spec.propose(self.scheduler.running, self.exports.pending, self.runner)
         so = self.scheduler.schedule(self._burst_steps())
         observe_scheduled(so)
         for rid in so.finished_ids:
@@ -256,6 +240,24 @@ class LLMEngine:
                 self.spec.free(rid)
         finished, new_tokens, logprobs, exported = self._run_step(so)
         observe_step(so, new_tokens)
+        touched = self._append(new_tokens, logprobs)
+        for req in finished:
+            if req.request_id in self.states:
+                self.states[req.request_id].finish(req.status.value, req.stop_reason)
+                touched[req.request_id] = self.states[req.request_id]
+        for item in so.scheduled:
+            if item.request.request_id in touched:
+                touched[item.request.request_id].num_cached_tokens = item.request.num_cached_tokens
+        for rid in exported:
+            req = self.scheduler.get_request(rid)
+            if req is not None:  # handed off to a decode instance: done here
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                touched[rid].handed_off = True
+        return self._outputs(touched, exported)
+
+    def _append(self, new_tokens: dict[str, list[int]], logprobs: dict) -> dict[str, RequestState]:
+        """Append this step's tokens to their requests' output state, up to a stop string
+        (which finishes the request here); returns the states touched."""
         touched: dict[str, RequestState] = {}
         for rid, tokens in new_tokens.items():
             state = self.states.get(rid)
@@ -273,19 +275,7 @@ class LLMEngine:
                 if req is not None and not req.is_finished:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop)
                     self._drop_request(rid)
-        for req in finished:
-            if req.request_id in self.states:
-                self.states[req.request_id].finish(req.status.value, req.stop_reason)
-                touched[req.request_id] = self.states[req.request_id]
-        for item in so.scheduled:
-            if item.request.request_id in touched:
-                touched[item.request.request_id].num_cached_tokens = item.request.num_cached_tokens
-        for rid in exported:
-            req = self.scheduler.get_request(rid)
-            if req is not None:  # handed off to a decode instance: done here
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                touched[rid].handed_off = True
-        return self._outputs(touched, exported)
+        return touched
 
     def _outputs(self, touched: dict[str, RequestState], exported: dict) -> list[RequestOutput]:
         """This step's outputs; choices of an n > 1 request merge into their parent's."""
@@ -294,7 +284,7 @@ class LLMEngine:
             out = state.make_output() if state.wants_output() else None
             if out is not None:
                 out.kv_blocks = exported.get(rid)
-                out.aux_hidden = self._export_aux.pop(rid, None)
+                out.aux_hidden = self.exports.pop_aux(rid)
                 if out.finished:
                     self.states.pop(rid, None)
                     self._drop_request(rid)

@@ -267,7 +267,8 @@ def test_prefix_caching_disabled() -> None:
 def test_ref_counts_match_block_tables_under_random_load(seed: int) -> None:
     """Random arrivals, aborts and tokens on a tiny pool: every ref count equals the
     number of block tables holding the block, and the pool is all free at the end."""
-    from services.engine.scheduler import Scheduler, SchedulerConfig
+    from services.engine.scheduler import Scheduler
+    from services.engine.scheduler_config import SchedulerConfig
 
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=6 + rng.randint(0, 4), block_size=2)

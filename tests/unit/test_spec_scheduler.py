@@ -11,7 +11,8 @@ import pytest
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import Scheduler
+from services.engine.scheduler_config import SchedulerConfig
 from services.engine.scheduler_output import SchedulerOutput
 from services.sampling_params import SamplingParams
 
