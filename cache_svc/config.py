@@ -35,10 +35,12 @@ class SemanticCacheConfig(FromEnv):
     # the full lookup races them).
     cache_exact_timeout_ms: float = 30.0
     # Gateway: after an exact miss, how long the semantic lookup runs alone before the
-    # workers start (0: at once, racing it). A hit within it never starts them: on
-    # cores shared with the engine no prefill slows the lookup down or is thrown away;
-    # a miss's first token comes up to this much later.
-    cache_head_start_ms: float = 0.0
+    # workers start (0: at once, racing it); a miss decided sooner starts them then. A hit
+    # within it never starts them: no prefill slows the lookup down or is thrown away.
+    # None ("auto"): the lookup's whole timeout where the cache shares the process of an
+    # engine with nothing running (`epd serve all`: the workers' CPU would slow the
+    # lookup they race, and nothing streams before it decides); else 0.
+    cache_head_start_ms: float | None = None
     # Gateway: how long a store may take (in the background, after the answer is sent).
     cache_store_timeout_ms: float = 1000.0
     # Cache service: a fingerprint's entries are searched exactly up to this many, then
@@ -60,5 +62,5 @@ class SemanticCacheConfig(FromEnv):
         if self.cache_embed_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"cache_embed_dtype must be auto, float32 or bfloat16, got "
                              f"{self.cache_embed_dtype!r}")  # fmt: skip
-        if self.cache_tenant_quota < 0 or self.cache_head_start_ms < 0:
+        if self.cache_tenant_quota < 0 or (self.cache_head_start_ms or 0) < 0:
             raise ValueError("cache_tenant_quota and cache_head_start_ms must be >= 0")

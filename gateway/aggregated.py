@@ -104,3 +104,8 @@ class AggregatedBackend:
 
     def ready(self) -> bool:
         return self.engine.alive
+
+    def busy(self) -> bool:
+        """Requests running or waiting in the engine (read racily)."""
+        load = self.engine.load()
+        return load["running"] + load["waiting"] > 0

@@ -113,7 +113,7 @@ class Gateway(Service):
             from cache_svc.service import open_cache
 
             self._local_cache = await open_cache(self.config.redis_url, self.cache_config)
-            client = LocalCacheClient(self._local_cache)
+            client = LocalCacheClient(self._local_cache, backend.busy)
         else:
             client = BusCacheClient(backend.bus)
         return ResponseCache(client, self.cache_config, info.fingerprint)

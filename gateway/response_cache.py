@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from cache_svc.config import SemanticCacheConfig
@@ -37,6 +37,11 @@ _NOT_KEYED = ("max_tokens", "detokenize", "seed")  # max_tokens: see cache_svc f
 
 
 class CacheClient(Protocol):
+    def ask_first(self) -> bool:
+        """The "auto" head start: whether the lookup should run alone before the workers
+        start (the cache shares the cores of an engine with nothing else to do)."""
+        ...
+
     async def lookup(
         self, query: bus_pb2.CacheQuery, timeout_s: float, replica: str = ""
     ) -> bus_pb2.CacheLookupReply: ...
@@ -56,6 +61,9 @@ class BusCacheClient:
     def __init__(self, bus: Bus, absent_s: float = 2.0, clock=time.monotonic):
         self.bus, self.absent_s, self.clock = bus, absent_s, clock
         self._absent_until = 0.0
+
+    def ask_first(self) -> bool:
+        return False  # the service has cores of its own: race
 
     async def lookup(self, query, timeout_s, replica=""):
         """``replica``: the instance to ask (it is embedding the query's text), any other
@@ -83,10 +91,17 @@ class BusCacheClient:
 
 
 class LocalCacheClient:
-    """A SemanticCache in this process (``epd serve all``)."""
+    """A SemanticCache in this process (``epd serve all``); ``engine_busy``: whether the
+    engine beside it has requests running or waiting."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, cache, engine_busy: Callable[[], bool] = lambda: False):
+        self.cache, self.engine_busy = cache, engine_busy
+
+    def ask_first(self) -> bool:
+        # Started beside the lookup, the workers of an idle engine take the core from it
+        # (a hit then waits ~1.5x as long) while a miss waits for the lookup anyway; a busy
+        # engine steps for its other requests regardless, and racing costs it little.
+        return not self.engine_busy()
 
     async def lookup(self, query, timeout_s, replica=""):
         return await asyncio.wait_for(self.cache.lookup(query), timeout_s)
@@ -140,13 +155,13 @@ class ResponseCache:
 
     async def head_start(self, prep: PreparedRequest,
                          query_of: bus_pb2.CacheQuery) -> bus_pb2.CachedAnswer | None:  # fmt: skip
-        """After an exact miss: the full lookup's hit if it comes within
-        ``cache_head_start_ms`` (the workers then never start: no prefill competes with
-        the lookup for the cores, none is thrown away); else None, and the lookup goes
-        on beside the workers (``lookup(exact_only=False)`` takes it up). Sent only after
-        the exact miss: sent with the exact query, its embedding delayed the exact reply
-        that the workers wait for (+20 ms a miss, cache service on one core)."""
-        wait_s = self.config.cache_head_start_ms / 1e3
+        """After an exact miss: the full lookup's hit if it comes within the head start
+        (the workers then never start: no prefill competes with the lookup for the
+        cores, none is thrown away); else None, and the lookup goes on beside the
+        workers (``lookup(exact_only=False)`` takes it up). Sent only after the exact
+        miss: sent with the exact query, its embedding delayed the exact reply that the
+        workers wait for (+20 ms a miss, cache service on one core)."""
+        wait_s = self.head_start_s()
         if wait_s <= 0 or not query_of.text:
             return None
         early = self._early[id(prep)] = asyncio.ensure_future(
@@ -162,6 +177,14 @@ class ResponseCache:
             return None  # counted by the lookup that follows
         self._early.pop(id(prep), None)
         return self._answer(prep, reply, exact_only=False)
+
+    def head_start_s(self) -> float:
+        """``cache_head_start_ms``, "auto" resolved: the lookup's timeout when the client
+        says to ask first, else 0 (docs/semantic-cache.md, "A lookup")."""
+        ms = self.config.cache_head_start_ms
+        if ms is None:
+            ms = self.config.cache_lookup_timeout_ms if self.client.ask_first() else 0.0
+        return ms / 1e3
 
     def _drop_early(self, prep: PreparedRequest) -> None:
         early = self._early.pop(id(prep), None)

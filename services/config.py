@@ -31,7 +31,7 @@ def _coerce(raw: str, kind: Any) -> Any:
             # A typo must not silently read as False.
             raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}, got {raw!r}")
         return value in _TRUE
-    if "int" in text and "None" in text and value in ("", "none"):
+    if ("int" in text or "float" in text) and "None" in text and value in ("", "none", "auto"):
         return None
     if text.startswith("int") or "int |" in text:
         return int(raw)

@@ -11,13 +11,18 @@ import pytest
 
 from cache_svc.config import SemanticCacheConfig
 from gateway.prepare import PreparedRequest
-from gateway.response_cache import ResponseCache
+from gateway.response_cache import BusCacheClient, LocalCacheClient, ResponseCache
 from protos.epd_pb import bus_pb2
 from services.sampling_params import SamplingParams
 
 
 class ScriptedCache:
     """A CacheClient whose replies the test releases, kind by kind."""
+
+    ask = False
+
+    def ask_first(self) -> bool:
+        return self.ask
 
     def __init__(self, exact_hit: bool, embedding_on: str = "") -> None:
         self.exact_hit, self.embedding_on = exact_hit, embedding_on
@@ -97,7 +102,34 @@ async def test_a_caller_that_gives_up_leaves_nothing_behind():
     assert client.cancelled == [False] and not cache._early
 
 
-async def test_no_head_start_by_default():
+def test_auto_asks_first_only_when_the_client_says_so():
+    cache, client, _ = _setup(exact_hit=False)
+    assert cache.config.cache_head_start_ms is None and cache.head_start_s() == 0.0
+    client.ask = True
+    assert cache.head_start_s() == cache.config.cache_lookup_timeout_ms / 1e3
+    cache.config = SemanticCacheConfig(cache_head_start_ms=20)
+    assert cache.head_start_s() == 0.02  # set: whatever the client
+
+
+def test_the_head_start_reads_auto_and_numbers_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EPD_CACHE_HEAD_START_MS", "auto")
+    assert SemanticCacheConfig.from_env().cache_head_start_ms is None
+    monkeypatch.setenv("EPD_CACHE_HEAD_START_MS", "15")
+    assert SemanticCacheConfig.from_env().cache_head_start_ms == 15.0
+    with pytest.raises(ValueError, match="cache_head_start_ms"):
+        SemanticCacheConfig(cache_head_start_ms=-1)
+
+
+def test_an_in_process_cache_asks_first_while_its_engine_is_idle():
+    busy = [False]
+    local = LocalCacheClient(object(), lambda: busy[0])
+    assert local.ask_first()
+    busy[0] = True
+    assert not local.ask_first()
+    assert not BusCacheClient(bus=None).ask_first()
+
+
+async def test_no_head_start_by_default_before_a_cache_service():
     cache, client, prep = _setup(exact_hit=False)
     client.release[True].set()
     query = cache.query(prep)
