@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from services.config import FromEnv
 
+# What the question embedding's products may run in (cache_svc/embedder.py).
+EMBED_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclass
 class SemanticCacheConfig(FromEnv):
@@ -46,7 +49,7 @@ class SemanticCacheConfig(FromEnv):
     # Cache service: a fingerprint's entries are searched exactly up to this many, then
     # through an HNSW graph.
     cache_ann_from: int = 20_000
-    # Cache service: the embedding's products in "bfloat16" (oneDNN on AMX tiles: ~35 %
+    # Cache service: the embedding's products in "bfloat16" (oneDNN on AMX tiles: ~30 %
     # faster a question, cosines within 2.5e-3), "float32", or "auto" (bfloat16 where
     # the CPU has AMX).
     cache_embed_dtype: str = "auto"
@@ -59,8 +62,8 @@ class SemanticCacheConfig(FromEnv):
                      "cache_store_timeout_ms", "cache_ann_from"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.cache_embed_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"cache_embed_dtype must be auto, float32 or bfloat16, got "
+        if self.cache_embed_dtype not in EMBED_DTYPES:
+            raise ValueError(f"cache_embed_dtype must be one of {EMBED_DTYPES}, got "
                              f"{self.cache_embed_dtype!r}")  # fmt: skip
         if self.cache_tenant_quota < 0 or (self.cache_head_start_ms or 0) < 0:
             raise ValueError("cache_tenant_quota and cache_head_start_ms must be >= 0")

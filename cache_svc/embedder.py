@@ -20,13 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cache_svc.config import EMBED_DTYPES
 from cache_svc.minilm import DenseMaker, LeanBert, bf16_dense, fp32_dense
 from services.kernels.cpu_backend import CpuBackend
 from services.models.weight_layout import column_major_linears
 
 DIM = 384
 MAX_TOKENS = 256  # the model's max_seq_length
-EMBED_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def minilm_dir() -> Path:

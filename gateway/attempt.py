@@ -29,8 +29,8 @@ RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 
 
 class WorkerWatch(Protocol):
-    """What an attempt asks about the workers it waits on (the backend answers from
-    the heartbeat registry and the ping subject)."""
+    """What an attempt asks about the workers it waits on (the fleet link answers from
+    the heartbeat registry and the ping subject: gateway/fleet_link.py)."""
 
     def alive(self, role: str, instance_id: str) -> bool: ...
     def progressed_at(self, role: str, instance_id: str) -> float | None: ...

@@ -129,10 +129,10 @@ class GatewayCore:
         """The request's events, and whether the workers make them.
 
         The exact tier is asked first (one Redis read, at most 30 ms): its hit costs the
-        workers nothing. Past it the workers start and the semantic lookup runs beside
-        them, deciding before anything is streamed: a hit replaces the workers' answer
-        (their work is aborted); a miss costs only the time the lookup outlasts the
-        workers' first token (docs/semantic-cache.md)."""
+        workers nothing. Past it (and the head start, if any) the workers start and the
+        semantic lookup runs beside them, deciding before anything is streamed: a hit
+        replaces the workers' answer (their work is aborted); a miss costs only the time
+        the lookup outlasts the workers' first token (docs/semantic-cache.md)."""
         query = self.cache.query(prep) if self.cache is not None else None
         if query is None:
             if self.cache is not None:

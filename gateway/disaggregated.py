@@ -27,7 +27,7 @@ from gateway.reorder import UpdateOrderer
 from gateway.router import Router
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
-from services.bus.errors import BusError, NoResponders
+from services.bus.errors import BusError
 from services.config import EngineConfig, ServiceConfig
 from services.engine.parallel_sampling import child_request_id as choice_request_id
 from services.metrics import MIGRATIONS
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # Prompt blocks the prefix-aware router hashes (the engines' default block size).
 _ROUTE_BLOCK_TOKENS = 16
-_PING_TIMEOUT_S = 1.0
 
 
 class DisaggregatedBackend:
@@ -68,7 +67,7 @@ class DisaggregatedBackend:
         self.bus, self.registry, self.routes = self.link.bus, self.link.registry, self.link.routes
         self.router = Router(self.registry, self.info.fingerprint, self.api)
         self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
-                                    self.config.stall_timeout_s, self.router, self)  # fmt: skip
+                                    self.config.stall_timeout_s, self.router, self.link)  # fmt: skip
 
     async def stop(self) -> None:
         if self._own_link and self.link is not None:
@@ -85,27 +84,6 @@ class DisaggregatedBackend:
         if self.bus is None or not self.bus.is_connected or self.router is None:
             return False
         return all(self.router.live(role) for role in (subjects.ROLE_PREFILL, subjects.ROLE_DECODE))
-
-    def alive(self, role: str, instance_id: str) -> bool:
-        """Heard from within the expiry (a draining instance still finishes its work)."""
-        live = self.registry.live(role, include_draining=True)
-        return any(i.instance_id == instance_id for i in live)
-
-    def progressed_at(self, role: str, instance_id: str) -> float | None:
-        """When the instance's engine last finished a step (heartbeats)."""
-        return self.registry.progressed_at(role, instance_id)
-
-    async def answers_ping(self, role: str, instance_id: str) -> bool:
-        """False only when nobody serves the instance's ping subject any more (its
-        connection is gone); a slow or unknown answer counts as alive."""
-        try:
-            await self.bus.request(subjects.ping(instance_id), b"", bus_pb2.Heartbeat,
-                                   _PING_TIMEOUT_S)  # fmt: skip
-        except NoResponders:
-            return False
-        except BusError:
-            pass
-        return True
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         images = Encodings(self.encoder, prep)
@@ -211,7 +189,7 @@ class DisaggregatedBackend:
                 pushed = await images.for_prefill(pid, push=True)
                 await self._prefill(prep, arid, params, pushed, sent, route, last_try=True)
             async for event in stream_updates(route, order, prep.deadline,
-                                              self.config.stall_timeout_s, self):  # fmt: skip
+                                              self.config.stall_timeout_s, self.link):  # fmt: skip
                 if prefill is not None and not prefill.released:
                     self.router.succeeded(subjects.ROLE_PREFILL, prefill.instance_id)
                     prefill.release()
@@ -264,9 +242,9 @@ class DisaggregatedBackend:
                                bus_pb2.PrefillReply, self.config.bus_timeout_s)  # fmt: skip
         try:
             reply = await while_alive(
-                ask, lambda: self.alive(role, pid),
+                ask, lambda: self.link.alive(role, pid),
                 lambda: WorkerLost(role, pid, "went away during admission"),
-                lambda: self.answers_ping(role, pid),
+                lambda: self.link.answers_ping(role, pid),
             )  # fmt: skip
         except BusError as e:
             raise WorkerLost(role, pid, f"dispatch failed: {e}") from e

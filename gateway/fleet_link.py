@@ -1,7 +1,8 @@
 """The gateway's one connection to the fleet, shared by the backends of every model it
 serves: the bus, the registry of live instances (heartbeats of every model; each
 model's router keeps to its own), and ``epd.out.<gateway-id>``, where token batches of
-every model arrive and go to the attempt that holds their request id."""
+every model arrive and go to the attempt that holds their request id. It answers what
+the stall checks ask about a worker (``WorkerWatch``: gateway/attempt.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 from gateway.attempt import Route
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
+from services.bus.errors import BusError, NoResponders
 from services.bus.handlers import Incoming
 from services.bus.heartbeat import InstanceRegistry
 from services.config import ServiceConfig
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 
 # The worker roles a gateway routes to.
 WORKER_ROLES = (subjects.ROLE_ENCODE, subjects.ROLE_PREFILL, subjects.ROLE_DECODE)
+_PING_TIMEOUT_S = 1.0
 
 
 class FleetLink:
@@ -44,6 +47,27 @@ class FleetLink:
             await self.registry.stop()
         if self.bus is not None:
             await self.bus.close()
+
+    def alive(self, role: str, instance_id: str) -> bool:
+        """Heard from within the expiry (a draining instance still finishes its work)."""
+        live = self.registry.live(role, include_draining=True)
+        return any(i.instance_id == instance_id for i in live)
+
+    def progressed_at(self, role: str, instance_id: str) -> float | None:
+        """When the instance's engine last finished a step (heartbeats)."""
+        return self.registry.progressed_at(role, instance_id)
+
+    async def answers_ping(self, role: str, instance_id: str) -> bool:
+        """False only when nobody serves the instance's ping subject any more (its
+        connection is gone); a slow or unknown answer counts as alive."""
+        try:
+            await self.bus.request(subjects.ping(instance_id), b"", bus_pb2.Heartbeat,
+                                   _PING_TIMEOUT_S)  # fmt: skip
+        except NoResponders:
+            return False
+        except BusError:
+            pass
+        return True
 
     async def _on_tokens(self, msg: Incoming) -> None:
         batch = msg.decode(bus_pb2.TokenBatch)

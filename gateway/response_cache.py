@@ -99,7 +99,7 @@ class LocalCacheClient:
 
     def ask_first(self) -> bool:
         # Started beside the lookup, the workers of an idle engine take the core from it
-        # (a hit then waits ~1.5x as long) while a miss waits for the lookup anyway; a busy
+        # (a hit took ~1.4x as long) while a miss waits for the lookup anyway; a busy
         # engine steps for its other requests regardless, and racing costs it little.
         return not self.engine_busy()
 

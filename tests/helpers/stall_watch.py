@@ -1,5 +1,5 @@
 """What the gateway's stall check reads, for tests of it: a registry clock the test moves,
-and the backend's answers about a worker (gateway/disaggregated.py) from a real
+and the fleet link's answers about a worker (gateway/fleet_link.py) from a real
 InstanceRegistry."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Clock:
 
 
 class Watch:
-    """The backend's answers (gateway/disaggregated.py), from a real registry."""
+    """The fleet link's answers (gateway/fleet_link.py), from a real registry."""
 
     def __init__(self, registry: InstanceRegistry) -> None:
         self.registry = registry
