@@ -199,7 +199,7 @@ class LLMEngine:
         may take its tokens in a burst (plain greedy, not a prefill-role export) and no
         speculative decoding."""
         n = self.config.num_scheduler_steps
-        if n <= 1 or self.spec is not None or self.exports.pending:  # spec: a step verifies
+        if n <= 1 or self.spec is not None or self.exports.pending:  # spec: steps verify drafts
             return 1
         return n if all(plain_greedy(r) for r in self.scheduler.running) else 1
 
