@@ -14,7 +14,9 @@ costs.
 - latency: the demo model's fleet and a cache service as processes; REST
   /v1/chat/completions, one request at a time: an exact hit, a paraphrase hit, and new
   questions with the cache on against the cache bypassed (interleaved): what a miss costs.
-  --pin puts the cache service on a core of its own, the other services on the rest.
+  --pin puts the cache service on a core of its own, the other services on the rest;
+  --aggregated runs ``epd serve all`` instead (engine, gateway and cache in one process,
+  on one core with --pin, the client on another).
 - scale: one fingerprint with --entries entries (vectors drawn with the mean and
   covariance of MiniLM's embeddings of the labelled questions): bulk build time (a
   replica's rebuild), lookup and add p50 / p99, recall of a stored question asked at
@@ -131,23 +133,32 @@ async def _latency(base: str, rounds: int) -> None:
           f"{pct(out['semantic'], 50) if out['semantic'] else float('nan'):.2f} ms (goal <= 15)")  # fmt: skip
 
 
-def latency(rounds: int, pin: bool) -> None:
+def latency(rounds: int, pin: bool, aggregated: bool = False) -> None:
     from _stack import Fleet
 
     fleet = Fleet()
     # --pin: the cache service alone on the last core, the other services on the rest, as
-    # on a fleet where it has a machine of its own (here all share 2 cores).
-    last = max(os.sched_getaffinity(0))
-    mine, others = ({last}, os.sched_getaffinity(0) - {last}) if pin else (None, None)
+    # on a fleet where it has a machine of its own (here all share 2 cores); aggregated,
+    # `serve all` on the first core and this client on the rest.
+    cores = os.sched_getaffinity(0)
+    last, first = max(cores), min(cores)
+    mine, others = ({last}, cores - {last}) if pin else (None, None)
     try:
         fleet.start_servers()
-        for role in ("encoder", "prefill", "decode", "cache"):
-            fleet.spawn(role, f"{role}-0", log_level="WARNING",
-                        cpus=mine if role == "cache" else others)  # fmt: skip
-        port = fleet.spawn("gateway", "gateway-0", log_level="WARNING", cpus=others)
+        if aggregated:
+            gateway = "all-0"
+            port = fleet.spawn("all", gateway, log_level="WARNING", cpus={first} if pin else None)
+            if pin:
+                os.sched_setaffinity(0, cores - {first})
+        else:
+            gateway = "gateway-0"
+            for role in ("encoder", "prefill", "decode", "cache"):
+                fleet.spawn(role, f"{role}-0", log_level="WARNING",
+                            cpus=mine if role == "cache" else others)  # fmt: skip
+            port = fleet.spawn("gateway", gateway, log_level="WARNING", cpus=others)
         fleet.wait_healthy(port, timeout_s=300)
         time.sleep(3)  # the cache service loads its model after NATS connects
-        asyncio.run(_latency(f"http://127.0.0.1:{fleet.http_ports['gateway-0']}", rounds))
+        asyncio.run(_latency(f"http://127.0.0.1:{fleet.http_ports[gateway]}", rounds))
         fleet.check_alive()
     finally:
         fleet.close()
@@ -253,13 +264,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--pin", action="store_true", help="latency: the cache service on a core "
                     "of its own")  # fmt: skip
+    ap.add_argument("--aggregated", action="store_true", help="latency: `epd serve all` "
+                    "(one process) instead of the fleet")  # fmt: skip
     ap.add_argument("--entries", type=int, default=1_000_000)
     args = ap.parse_args()
     parts = args.only or ["accuracy", "latency", "scale"]
     if "accuracy" in parts:
         accuracy()
     if "latency" in parts:
-        latency(args.rounds, args.pin)
+        latency(args.rounds, args.pin, args.aggregated)
     if "scale" in parts:
         scale(args.entries)
     return 0
