@@ -141,17 +141,16 @@ def latency(rounds: int, pin: bool, aggregated: bool = False) -> None:
     # on a fleet where it has a machine of its own (here all share 2 cores); aggregated,
     # `serve all` on the first core and this client on the rest.
     cores = os.sched_getaffinity(0)
-    last, first = max(cores), min(cores)
-    mine, others = ({last}, cores - {last}) if pin else (None, None)
     try:
         fleet.start_servers()
         if aggregated:
-            gateway = "all-0"
+            gateway, first = "all-0", min(cores)
             port = fleet.spawn("all", gateway, log_level="WARNING", cpus={first} if pin else None)
             if pin:
                 os.sched_setaffinity(0, cores - {first})
         else:
-            gateway = "gateway-0"
+            gateway, last = "gateway-0", max(cores)
+            mine, others = ({last}, cores - {last}) if pin else (None, None)
             for role in ("encoder", "prefill", "decode", "cache"):
                 fleet.spawn(role, f"{role}-0", log_level="WARNING",
                             cpus=mine if role == "cache" else others)  # fmt: skip

@@ -94,7 +94,7 @@ class LocalCacheClient:
     """A SemanticCache in this process (``epd serve all``); ``engine_busy``: whether the
     engine beside it has requests running or waiting."""
 
-    def __init__(self, cache, engine_busy: Callable[[], bool] = lambda: False):
+    def __init__(self, cache, engine_busy: Callable[[], bool]):
         self.cache, self.engine_busy = cache, engine_busy
 
     def ask_first(self) -> bool:
