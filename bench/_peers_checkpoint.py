@@ -4,6 +4,9 @@
   (hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32,000) with an offline WordLevel fast
   tokenizer (``<unk> <s> </s> w3 ... w31999``) and a trivial chat template. Prompts go as
   token ids, so no system's tokenizer changes what the model sees.
+- ``text-words``: the same weights and config with the demo model's WordPiece tokenizer
+  (30,523 ids, all below 32,000), for workloads sent as text: the WordLevel vocabulary
+  reads every English word as ``<unk>``, so different questions would be the same ids.
 - ``gguf``: the same weights as an f32 GGUF for llama.cpp, written by llama.cpp's own
   converter (run in a peer venv: ``_peers_gguf.py``) from a SentencePiece model with the
   same 32,000 pieces.
@@ -62,6 +65,25 @@ def text_checkpoint(cache: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     _save_tokenizer(tmp)
     model.save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def text_words_checkpoint(cache: Path) -> Path:
+    """``text_checkpoint``'s weights (linked, not copied) with the demo's tokenizer."""
+    import shutil
+
+    text, demo = text_checkpoint(cache), demo_dir()
+    out = cache / f"{TEXT_NAME}-words"
+    if (out / "model.safetensors").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (tmp / name).symlink_to(text / name)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(demo / name, tmp / name)
     tmp.rename(out)
     return out
 

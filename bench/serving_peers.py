@@ -21,7 +21,8 @@ round, and figures are the medians over rounds. Load is ``epd bench serve``'s li
   vLLM, llama.cpp; 128 prompt ids -> 64 tokens at concurrency 1, 8 and 64;
 - ``tools``: guidellm, aiperf and ``epd bench serve`` in turn against ``epd up
   --aggregated``, same workload (``_peers_tools.py``);
-- ``paraphrase``: ``epd up --aggregated`` on the demo model, semantic cache on and off;
+- ``paraphrase``: ``epd up --aggregated`` on the demo model and on the shared Llama,
+  semantic cache on and off;
 - ``mm``: disaggregated against aggregated on the ViT-B/16-sized LLaVA, 0 % and 80 % image
   reuse, 1 and 4 images per request.
 
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _peers_checkpoint as ckpt  # noqa: E402
 import _peers_servers as servers  # noqa: E402
 import _peers_tools as tools  # noqa: E402
-from _peers_cases import GROUPS, REFERENCE, Case, cases_for, random_case  # noqa: E402
+from _peers_cases import GROUPS, Case, cases_for, random_case  # noqa: E402
 from _peers_runs import greedy_words, median_rows, row_of, run_case, table  # noqa: E402
 
 log = logging.getLogger("serving_peers")
@@ -80,9 +81,11 @@ def systems_for(group: str, args: argparse.Namespace) -> list[servers.System]:
                  servers.llama_system(servers.llama_binary(args.peers_dir), _gguf(args, text), t, 64)]  # fmt: skip
         return [s for s in found if s is not None]
     if group == "paraphrase":
-        demo = Path(ckpt.demo_dir())
+        demo, text = Path(ckpt.demo_dir()), ckpt.text_words_checkpoint(cache)
         return [servers.epd_system("epd-cache-on", demo, t, True, []),
-                servers.epd_system("epd-cache-off", demo, t, True, ["--no-response-cache"])]  # fmt: skip
+                servers.epd_system("epd-cache-off", demo, t, True, ["--no-response-cache"]),
+                servers.epd_system("llama-cache-on", text, t, True, []),
+                servers.epd_system("llama-cache-off", text, t, True, ["--no-response-cache"])]  # fmt: skip
     vlm = ckpt.vlm_checkpoint(cache)
     dummy = ["--load-format", "dummy", "--no-response-cache"]
     return [servers.epd_system("epd-disagg", vlm, t, False, dummy),
@@ -178,8 +181,7 @@ def run_one_group(group: str, args: argparse.Namespace) -> dict[str, Any] | None
         for r in running:
             r.stop()
     medians = medians_of(docs)
-    reference = REFERENCE[group]
-    print("\n\n".join(table(c, medians[c.label], reference) for c in cases), flush=True)
+    print("\n\n".join(table(c, medians[c.label], c.reference) for c in cases), flush=True)
     return {
         "systems": [{"name": s.name, "argv": s.argv, "env": s.env} for s in systems],
         "greedy_words": same,
