@@ -49,11 +49,16 @@ def load(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _embed_dtype() -> str:
+    """The dtype the cache service would embed in: ``EPD_CACHE_EMBED_DTYPE``, as it reads it."""
+    return os.environ.get("EPD_CACHE_EMBED_DTYPE", "auto")
+
+
 def accuracy() -> float:
     from cache_svc.embedder import SentenceEmbedder
     from cache_svc.guard import conflict, facts
 
-    embed = SentenceEmbedder()
+    embed = SentenceEmbedder(dtype=_embed_dtype())
     chosen = None
     for name in SETS:
         pairs = load(name)
@@ -170,7 +175,7 @@ def _question_like(rng: np.random.Generator):
     from cache_svc.embedder import SentenceEmbedder
 
     texts = sorted({p[k] for name in SETS for p in load(name) for k in ("a", "b")})
-    emb = SentenceEmbedder()(texts)
+    emb = SentenceEmbedder(dtype=_embed_dtype())(texts)
     mean, cov = emb.mean(0), np.cov(emb.T)
 
     def draw(n: int) -> np.ndarray:

