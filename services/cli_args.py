@@ -26,6 +26,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step (8192 on CUDA, 2048 on CPU)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (256)")
     g.add_argument("--attention-backend", default=None, help="auto | cpu | torch | triton")
+    g.add_argument("--greedy-head-screen", default=None,
+                   help="auto | on | off: greedy tokens through a bfloat16 screen of the LM "
+                        "head, the same tokens as fp32 (cpu backend; auto: where the CPU has "
+                        "bfloat16 dot products)")  # fmt: skip
     g.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per scheduling round (default 1)")  # fmt: skip
     g.add_argument("--speculative-config", default=None,

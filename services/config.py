@@ -107,6 +107,12 @@ class EngineConfig(FromEnv):
         default_factory=lambda: os.path.expanduser("~/.cache/epd-serve/kernels")
     )
     kernel_cc: str = field(default_factory=lambda: os.environ.get("CC") or "cc")
+    # Greedy rows' tokens on the cpu backend through a bfloat16 screen of the LM head
+    # (services/kernels/cpu_head.py): the argmax of the fp32 logits, from a bfloat16
+    # product in about half the time and exact fp32 dot products for the few entries
+    # that can win; half the head's size again in memory. "auto": where the CPU has
+    # bfloat16 dot products (AMX, AVX512_BF16); "on"; "off": the fp32 head alone.
+    greedy_head_screen: str = "auto"
     # Seed for dummy weights and for requests that bring no seed of their own.
     seed: int = 0
     # Speculative decoding (services/engine/spec_config.py): a SpeculativeConfig, a dict
@@ -139,6 +145,10 @@ class EngineConfig(FromEnv):
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.greedy_head_screen not in ("auto", "on", "off"):
+            raise ValueError(
+                f"greedy_head_screen must be auto, on or off, got {self.greedy_head_screen!r}"
+            )
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be auto, cpu, torch or triton, "

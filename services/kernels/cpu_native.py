@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-_UNITS = ("cpu", "gemv_rows", "attention", "extend", "team", "decode", "parallel")
+_UNITS = ("cpu", "gemv_rows", "attention", "extend", "team", "decode", "head", "parallel")
 SOURCES = [CSRC / f"epd_{name}.c" for name in _UNITS]
 HEADERS = [CSRC / "epd_common.h", CSRC / "epd_team.h"]
 # -fno-trapping-math: GCC then if-converts the float clamps of exp_approx, so the exp loops
@@ -66,6 +66,11 @@ _SIGNATURES = {
     "epd_par_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _F, _P, _I64]),
     "epd_par_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),
     "epd_par_argmax": (None, [_P, _P, _I64, _P, _I64]),
+    "epd_screen_argmax": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
+                                 ctypes.c_int, _I64]),
+    "epd_par_gemv_bf16": (ctypes.c_int, [_P, _P, _P, _I64, _I64, _I64, _P, _I64]),
+    "epd_par_screen_argmax": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_int,
+                                     _I64, _P, _I64]),
     "epd_par_decode_stack": (None, [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F,
                                     _F, _P, _P, _I64, _P]),
     "epd_par_decode_greedy": (None, [_P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, _P, _P, _P,
@@ -78,6 +83,12 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 def ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
     """Address of element ``offset`` of t (None for None), as the kernels take it."""
     return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def bounds(ranges: list[tuple[int, int]]) -> tuple[ctypes.Array, int]:
+    """Contiguous ranges as the epd_par_* kernels take them: [lo_0, lo_1, ..., hi_last], count."""
+    flat = [lo for lo, _ in ranges] + [ranges[-1][1] if ranges else 0]
+    return (ctypes.c_int64 * len(flat))(*flat), len(ranges)
 
 
 def fp32(*ts: torch.Tensor) -> bool:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from cache_svc.embedder import MAX_TOKENS, SentenceBatcher, SentenceEmbedder, has_native_bf16
+from cache_svc.embedder import MAX_TOKENS, SentenceBatcher, SentenceEmbedder
+from services.kernels.cpu_head import has_native_bf16
 
 DATA = Path(__file__).parents[1] / "data"
 

@@ -154,6 +154,11 @@ int epd_gemv_rows(float *y, int64_t ldy, const float *x, const float *wt, int64_
 void epd_gemv_rm(float *y, int64_t ldy, const float *x, const float *w, int64_t ldw,
                  const float *bias, int64_t m, int64_t k, int64_t n);
 void epd_argmax(int64_t *out, const float *x, int64_t m, int64_t n);
+int64_t epd_screen_argmax(int64_t *out, const uint16_t *s, const float *x, const float *w,
+                          const float *wn, const float *dwn, const float *p, const float *q,
+                          int64_t m, int64_t k, int64_t n, int transposed, int64_t cap);
+int epd_gemv_bf16(uint16_t *s, int64_t lds, const float *x, const uint16_t *wt, int64_t ldw,
+                  int64_t m, int64_t k, int64_t n);
 void epd_silu_mul(float *out, const float *x, int64_t m, int64_t h);
 void epd_rms_norm(float *out, float *resid_out, const float *x, const float *resid,
                   const float *w, int64_t m, int64_t h, float eps);

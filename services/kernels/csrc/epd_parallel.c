@@ -99,6 +99,39 @@ void epd_par_argmax(int64_t *out, const float *x, int64_t n, const int64_t *b, i
     for (int64_t r = 0; r < nr; r++) epd_argmax(out + b[r], x + b[r] * n, b[r + 1] - b[r], n);
 }
 
+/* epd_screen_argmax over row ranges; the rows left to the caller, summed (-1: no scratch). */
+int64_t epd_par_screen_argmax(int64_t *out, const uint16_t *s, const float *x, const float *w,
+                              const float *wn, const float *dwn, const float *p, const float *q,
+                              int64_t k, int64_t n, int transposed, int64_t cap, const int64_t *b,
+                              int64_t nr) {
+    int64_t left = 0;
+    int err = 0;
+    RANGES
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t lo = b[r];
+        const int64_t got = epd_screen_argmax(out + lo, s + lo * n, x + lo * k, w, wn, dwn, p + lo,
+                                              q + lo, b[r + 1] - lo, k, n, transposed, cap);
+        if (got < 0) {
+            KEEP_ERROR(1)
+        } else {
+            _Pragma("omp atomic") left += got;
+        }
+    }
+    return err ? -1 : left;
+}
+
+/* epd_gemv_bf16 over column ranges of W^T [k, n] (and of s). */
+int epd_par_gemv_bf16(uint16_t *s, const float *x, const uint16_t *wt, int64_t m, int64_t k,
+                      int64_t n, const int64_t *b, int64_t nr) {
+    int err = 0;
+    RANGES
+    for (int64_t r = 0; r < nr; r++) {
+        int rc = epd_gemv_bf16(s + b[r], n, x, wt + b[r], n, m, k, b[r + 1] - b[r]);
+        KEEP_ERROR(rc)
+    }
+    return err;
+}
+
 /* The one-call decoder step (epd_decode.c) by a team of nt threads of the same OpenMP
  * team, thread t as tid t; codes[t] its return. The step's own barrier needs every
  * teammate running at once: a team OpenMP cannot fill comes short, and its barrier
