@@ -183,10 +183,10 @@ class CpuBackend:
         return out
 
     def _screen(self, weight: torch.Tensor) -> ScreenedHead | None:
-        """The screen of this head, made on its first greedy step (None: the fp32 head's
-        layout is not one the kernels read)."""
+        """The screen of this head, made on its first greedy step and again after the head
+        is written in place (None: the fp32 head's layout is not one the kernels read)."""
         held = self._screens.get(id(weight))
-        if held is not None and held[0]() is weight:
+        if held is not None and held[0]() is weight and held[1].version == weight._version:
             return held[1]
         layout = _layout(weight)
         if layout is None:

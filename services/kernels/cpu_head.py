@@ -88,6 +88,7 @@ class ScreenedHead:
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, layout: int,
                  split: Callable[[int, int], list[tuple[int, int]]]):  # fmt: skip
         self.lib, self.weight, self.layout, self.split = lib, weight, layout, split
+        self.version = weight._version  # torch's count of in-place writes: stale when it moves
         self.vocab, self.k = weight.shape
         plain = weight.t().contiguous().to(torch.bfloat16)  # W^T [K, V]
         self.plain = plain

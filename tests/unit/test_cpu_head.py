@@ -80,6 +80,9 @@ def test_a_screen_is_made_once_per_head_and_off_means_off(be, tmp_path):
     first = be._screen(w)
     be.greedy_head(x, w)
     assert be._screen(w) is first
+    w[0] = 0.0  # written in place (a reload): the next step screens the new head
+    assert be._screen(w) is not first
+    assert torch.equal(be.greedy_head(x, w), _exact(x, w))
     off = CpuBackend.create(str(tmp_path), greedy_head_screen="off")
     assert not off.screen_heads
     assert torch.equal(off.greedy_head(x, w), be.greedy_head(x, w))
