@@ -56,7 +56,8 @@ static float lower_bound(const uint16_t *s, const float *wn, const float *dwn, r
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (; v + 16 <= n; v += 16) {
         const __m512 sv = load_bf16x16(s + v);
-        /* a NaN lane keeps best: the row then has no candidate */
+        /* a NaN (an infinite logit) can only lower the floor, which keeps more candidates,
+         * or make it NaN, which keeps none: the caller's fp32 head then decides */
         best = _mm512_max_ps(best, _mm512_sub_ps(sv, width16(sv, wn, dwn, v, r)));
     }
     out = _mm512_reduce_max_ps(best);
