@@ -110,8 +110,9 @@ class EngineConfig(FromEnv):
     # Greedy rows' tokens on the cpu backend through a bfloat16 screen of the LM head
     # (services/kernels/cpu_head.py): the argmax of the fp32 logits, from a bfloat16
     # product in about half the time and exact fp32 dot products for the few entries
-    # that can win; half the head's size again in memory. "auto": where the CPU has
-    # bfloat16 dot products (AMX, AVX512_BF16); "on"; "off": the fp32 head alone.
+    # that can win; the fp32 head's size again in memory (two bfloat16 copies). "auto":
+    # where the CPU has bfloat16 dot products (AMX, AVX512_BF16); "on"; "off": the fp32
+    # head alone.
     greedy_head_screen: str = "auto"
     # Seed for dummy weights and for requests that bring no seed of their own.
     seed: int = 0

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
 from services.kernels.cpu_attention import AttentionPlan, extend_one_split
-from services.kernels.cpu_head import ScreenedHead, has_native_bf16
+from services.kernels.cpu_head import ScreenedHead, bf16_linear_works, has_native_bf16
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata, DecoderStack
 
@@ -79,18 +79,6 @@ def _mkldnn_linear_works() -> bool:
         return False
 
 
-def _bf16_linear_works() -> bool:
-    """Whether oneDNN multiplies packed bfloat16 weights here at all (``on`` asks for the
-    screen even where bfloat16 is emulated; where it is not there, the fp32 head serves)."""
-    try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(3, 4, dtype=torch.bfloat16), 8)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(8, 4, dtype=torch.bfloat16), w, None,
-                                               "none", [], "")  # fmt: skip
-        return bool((y.float() == 4).all())
-    except (RuntimeError, AttributeError):
-        return False
-
-
 class CpuBackend:
     """Backend object (see ``services.kernels.backend``) over the native CPU kernels."""
 
@@ -102,7 +90,7 @@ class CpuBackend:
         self.lib = lib
         self.use_mkldnn = _prefer_mkldnn()
         on = {"on": True, "off": False}.get(greedy_head_screen)
-        self.screen_heads = has_native_bf16() if on is None else on and _bf16_linear_works()
+        self.screen_heads = has_native_bf16() if on is None else on and bf16_linear_works()
         self._screens: dict[int, tuple[weakref.ref, ScreenedHead]] = {}
         self._plan: tuple[weakref.ref | None, AttentionPlan | None] = (None, None)
         self._checked_positions: tuple[weakref.ref | None, int] = (None, 0)

@@ -58,6 +58,18 @@ def has_native_bf16() -> bool:
         return False
 
 
+def bf16_linear_works() -> bool:
+    """Whether oneDNN multiplies packed bfloat16 weights here at all (``on`` asks for the
+    screen even where bfloat16 is emulated; where it is not there, the fp32 head serves)."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(3, 4, dtype=torch.bfloat16), 8)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(8, 4, dtype=torch.bfloat16), w, None,
+                                               "none", [], "")  # fmt: skip
+        return bool((y.float() == 4).all())
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def sums_share(k: int) -> float:
     """The fp32 sums' error over a k-term dot product, as a multiple of ||x^|| ||W_v||
     (W^'s norm is at most (1 + 2^-8) times W's; a 2x margin on the count of roundings)."""
@@ -90,19 +102,20 @@ class ScreenedHead:
         self.lib, self.weight, self.layout, self.split = lib, weight, layout, split
         self.version = weight._version  # torch's count of in-place writes: stale when it moves
         self.vocab, self.k = weight.shape
-        plain = weight.t().contiguous().to(torch.bfloat16)  # W^T [K, V]
-        self.plain = plain
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), PACK_ROWS)
+        self.plain = weight.t().contiguous().to(torch.bfloat16)  # W^T [K, V]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            self.plain.t().contiguous(), PACK_ROWS
+        )
         self.norms, self.err_norms = head_norms(weight)
         self.sums = sums_share(self.k)
 
-    def approximate(self, x: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-        """[M, V] bfloat16 logits of ``xb`` = bf16(``x``), the sums in fp32."""
-        if x.shape[0] > NATIVE_ROWS:
+    def approximate(self, xb: torch.Tensor) -> torch.Tensor:
+        """[M, V] bfloat16 logits of ``xb`` [M, K] bfloat16, the sums in fp32."""
+        if xb.shape[0] > NATIVE_ROWS:
             return torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
-        s = torch.empty(x.shape[0], self.vocab, dtype=torch.bfloat16)
+        s = torch.empty(xb.shape[0], self.vocab, dtype=torch.bfloat16)
         ptr = cpu_native.ptr
-        if self.lib.epd_par_gemv_bf16(ptr(s), ptr(x), ptr(self.plain), x.shape[0], self.k,
+        if self.lib.epd_par_gemv_bf16(ptr(s), ptr(xb), ptr(self.plain), xb.shape[0], self.k,
                                       self.vocab, *cpu_native.bounds(self.split(self.vocab, 2048))):  # fmt: skip
             raise MemoryError("greedy head: out of memory for the bfloat16 sums")
         return s
@@ -115,7 +128,7 @@ class ScreenedHead:
         out = torch.full((x.shape[0],), -1, dtype=torch.int64)
         if not bool(torch.isfinite(xbn).all()):
             return out
-        s = self.approximate(x, xb)
+        s = self.approximate(xb)
         # + 1e-30: what flushing subnormal inputs to zero may add (at most K * 2^-126 each).
         p, q = _up(xbn) + 1e-30, _up((xbd - xd).norm(dim=1) + self.sums * xbn) + 1e-30
         ptr = cpu_native.ptr

@@ -157,8 +157,8 @@ void epd_argmax(int64_t *out, const float *x, int64_t m, int64_t n);
 int64_t epd_screen_argmax(int64_t *out, const uint16_t *s, const float *x, const float *w,
                           const float *wn, const float *dwn, const float *p, const float *q,
                           int64_t m, int64_t k, int64_t n, int transposed, int64_t cap);
-int epd_gemv_bf16(uint16_t *s, int64_t lds, const float *x, const uint16_t *wt, int64_t ldw,
-                  int64_t m, int64_t k, int64_t n);
+int epd_gemv_bf16(uint16_t *s, int64_t lds, const uint16_t *xb, const uint16_t *wt,
+                  int64_t ldw, int64_t m, int64_t k, int64_t n);
 void epd_silu_mul(float *out, const float *x, int64_t m, int64_t h);
 void epd_rms_norm(float *out, float *resid_out, const float *x, const float *resid,
                   const float *w, int64_t m, int64_t h, float eps);

@@ -169,23 +169,17 @@ int64_t epd_screen_argmax(int64_t *out, const uint16_t *s, const float *x, const
     return left;
 }
 
-static inline float bf16_round(float f) { /* to the nearest bfloat16, ties to even (finite f) */
+static inline uint16_t bf16_bits(float f) { /* the nearest bfloat16, ties to even (finite f) */
     union { float f; uint32_t u; } v = {.f = f};
-    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
-    return v.f;
-}
-
-static inline uint16_t bf16_bits(float f) {
-    union { float f; uint32_t u; } v = {.f = bf16_round(f)};
-    return (uint16_t)(v.u >> 16);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 /* y[r, :n] += sum over q < runs of xb[r, i + q g] W^T[i + q g, :n], for every row r. */
-static void gemv_bf16_pass(float *y, const float *xb, const uint16_t *wt, int64_t ldw,
+static void gemv_bf16_pass(float *y, const uint16_t *xb, const uint16_t *wt, int64_t ldw,
                            int64_t m, int64_t k, int64_t n, int64_t i, int runs, int64_t g) {
     for (int64_t r = 0; r < m; r++) {
         float *yr = y + r * n, a[8];
-        for (int q = 0; q < runs; q++) a[q] = xb[r * k + i + q * g];
+        for (int q = 0; q < runs; q++) a[q] = bf16_to_f32(xb[r * k + i + q * g]);
         int64_t j = 0;
 #if defined(__AVX512F__)
         for (; j + 16 <= n; j += 16) {
@@ -205,28 +199,22 @@ static void gemv_bf16_pass(float *y, const float *xb, const uint16_t *wt, int64_
     }
 }
 
-/* s[r, :n] = bf16(bf16(x[r, :k]) . W^T[:k, :n]) for a few rows r, the sums in fp32: what
- * oneDNN's bfloat16 product gives the screen, from W^T in bfloat16, row-major with row
+/* s[r, :n] = bf16(xb[r, :k] . W^T[:k, :n]) for a few rows r, xb = bf16(x) as the caller
+ * rounded it for the bound, the sums in fp32: what oneDNN's bfloat16 product gives the
+ * screen, from W^T in bfloat16, row-major with row
  * stride ldw (a thread may own a column slice; s has row stride lds). It reads the head
  * as epd_gemv_t reads fp32: eight contiguous runs of k/8 rows side by side, into sums
  * that stay in cache. oneDNN's product of one row streams the packed head at about half
  * that rate. Returns 0, or -1 when the sums' scratch cannot be allocated. */
-int epd_gemv_bf16(uint16_t *s, int64_t lds, const float *x, const uint16_t *wt, int64_t ldw,
-                  int64_t m, int64_t k, int64_t n) {
+int epd_gemv_bf16(uint16_t *s, int64_t lds, const uint16_t *xb, const uint16_t *wt,
+                  int64_t ldw, int64_t m, int64_t k, int64_t n) {
     float *y = calloc((size_t)(m * n), sizeof(float));
-    float *xb = malloc(sizeof(float) * (size_t)(m * k));
-    if (!y || !xb) {
-        free(y);
-        free(xb);
-        return -1;
-    }
-    for (int64_t i = 0; i < m * k; i++) xb[i] = bf16_round(x[i]);
+    if (!y) return -1;
     const int64_t g = k / 8;
     for (int64_t i = 0; i < g; i++) gemv_bf16_pass(y, xb, wt, ldw, m, k, n, i, 8, g);
     for (int64_t i = 8 * g; i < k; i++) gemv_bf16_pass(y, xb, wt, ldw, m, k, n, i, 1, g);
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) s[r * lds + j] = bf16_bits(y[r * n + j]);
     free(y);
-    free(xb);
     return 0;
 }

@@ -121,12 +121,12 @@ int64_t epd_par_screen_argmax(int64_t *out, const uint16_t *s, const float *x, c
 }
 
 /* epd_gemv_bf16 over column ranges of W^T [k, n] (and of s). */
-int epd_par_gemv_bf16(uint16_t *s, const float *x, const uint16_t *wt, int64_t m, int64_t k,
-                      int64_t n, const int64_t *b, int64_t nr) {
+int epd_par_gemv_bf16(uint16_t *s, const uint16_t *xb, const uint16_t *wt, int64_t m,
+                      int64_t k, int64_t n, const int64_t *b, int64_t nr) {
     int err = 0;
     RANGES
     for (int64_t r = 0; r < nr; r++) {
-        int rc = epd_gemv_bf16(s + b[r], n, x, wt + b[r], n, m, k, b[r + 1] - b[r]);
+        int rc = epd_gemv_bf16(s + b[r], n, xb, wt + b[r], n, m, k, b[r + 1] - b[r]);
         KEEP_ERROR(rc)
     }
     return err;
