@@ -19,94 +19,144 @@ static inline v8 reduce8(const v8 *x) {
     return SHUF(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* s[h * stride] = scale * <q[h], k + koff[h]> for the hq heads of one token (koff[h] =
- * (h / group) * D, worked out once per call: a division per head and token cost more than
- * the dot products), D a compile-time head size (a multiple of 16). Each dot product is
- * one chain of fused multiply-adds over sixteen lanes; heads go eight at a time (the last
- * eight padded with zeros) and their lane sums are reduced together: one dot at a time is
- * bound by its own horizontal sum. Every head is summed the same way, whatever hq. */
-#define DEFINE_TOKEN_SCORES(D)                                                               \
-    static void token_scores_##D(float *s, int64_t stride, const float *q, const float *k,   \
-                                 int64_t hq, const int64_t *koff, float scale) {             \
-        for (int64_t h0 = 0; h0 < hq; h0 += 8) {                                             \
-            const int64_t nh = hq - h0 < 8 ? hq - h0 : 8;                                    \
-            v8 acc[8];                                                                       \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
-                acc[j] = (v8){0};                                                            \
-                if (j >= nh) continue;                                                       \
-                const float *qh = q + (h0 + j) * D, *kh = k + koff[h0 + j];                  \
-                v16 a = load16(qh) * load16(kh);                                             \
-                _Pragma("GCC unroll 8") for (int c = 16; c < D; c += 16)                     \
-                    a = fma16(load16(qh + c), load16(kh + c), a);                            \
-                acc[j] = lo8(a) + hi8(a);                                                    \
-            }                                                                                \
-            const v8 r = reduce8(acc) * scale;                                               \
-            for (int64_t j = 0; j < nh; j++) s[(h0 + j) * stride] = r[j];                    \
-        }                                                                                    \
-    }
+#define TB 8      /* tokens scored per pass over a head's query: one reduce8 of their sums */
+/* Tokens between a K/V row's prefetch and its use: 16-32 alike here, 8 slower. */
+#define PF_AHEAD 16
 
-/* o[h] = sum_t p[h, t] * (token t's V at koff[h]), fused, for nh heads from h0 (nh and D
- * constants where inlined), their sums in registers: each token's V row is read once for
- * all of them. */
-static inline __attribute__((always_inline)) void weighted_v_heads(
-    float *o, const float *p, const float *const *vrows, int64_t len, const int64_t *koff,
-    int64_t h0, const int nh, const int D) {
-    v16 acc[6][8];
-#pragma GCC unroll 6
-    for (int j = 0; j < nh; j++)
+/* s[j * stride + i] = scale * <q[j], krows[i] + koff> for NH query heads q[0 .. NH - 1]
+ * of one KV head (at koff in a token's row) and tokens i < n <= TB (krows holds TB valid
+ * pointers). The queries stay in registers over the TB tokens, and each key vector is
+ * loaded once for all NH heads. A dot product is one chain of fused multiply-adds over
+ * sixteen lanes, its lanes then reduced eight dot products at a time; the same operations
+ * in the same order whatever else shares the pass, so a score does not depend on them. */
+static inline __attribute__((always_inline)) void score_tokens(
+    float *s, int64_t stride, const float *q, const float *const *krows,
+    const float *const *vrows, int64_t koff, int64_t n, float scale, const int NH,
+    const int D) {
+    v16 qv[2][8], acc[2][TB];
+#pragma GCC unroll 2
+    for (int j = 0; j < NH; j++)
 #pragma GCC unroll 8
-        for (int c = 0; c < D / 16; c++) acc[j][c] = (v16){0};
-    for (int64_t t = 0; t < len; t++) {
-        const float *v = vrows[t];
-#pragma GCC unroll 6
-        for (int j = 0; j < nh; j++) {
-            const v16 w = (v16){0} + p[(h0 + j) * len + t];
+        for (int c = 0; c < D / 16; c++) qv[j][c] = load16(q + j * D + 16 * c);
 #pragma GCC unroll 8
-            for (int c = 0; c < D / 16; c++)
-                acc[j][c] = fma16(w, load16(v + koff[h0 + j] + 16 * c), acc[j][c]);
+    for (int i = 0; i < TB; i++) {
+        const float *k = krows[i] + koff;
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++) {
+            __builtin_prefetch(krows[i + PF_AHEAD] + koff + 16 * c, 0, 2);
+            __builtin_prefetch(vrows[i + PF_AHEAD] + koff + 16 * c, 0, 2);
+        }
+        const v16 k0 = load16(k);
+#pragma GCC unroll 2
+        for (int j = 0; j < NH; j++) acc[j][i] = qv[j][0] * k0;
+#pragma GCC unroll 8
+        for (int c = 1; c < D / 16; c++) {
+            const v16 kc = load16(k + 16 * c);
+#pragma GCC unroll 2
+            for (int j = 0; j < NH; j++) acc[j][i] = fma16(qv[j][c], kc, acc[j][i]);
         }
     }
-#pragma GCC unroll 6
-    for (int j = 0; j < nh; j++) memcpy(o + (h0 + j) * D, acc[j], sizeof(float) * D);
+#pragma GCC unroll 2
+    for (int j = 0; j < NH; j++) {
+        v8 part[TB];
+#pragma GCC unroll 8
+        for (int i = 0; i < TB; i++) part[i] = lo8(acc[j][i]) + hi8(acc[j][i]);
+        const v8 r = reduce8(part) * scale;
+        if (n == TB) memcpy(s + j * stride, &r, sizeof r);
+        else memcpy(s + j * stride, &r, sizeof(float) * (size_t)n);
+    }
 }
 
-/* Pass 2 at head size D: heads in chunks of up to 24 / (D / 16) (the sums of a chunk fill
- * 24 vector registers). */
-#define WV_CASE(N, D)                                                                         \
-    case N: weighted_v_heads(o, p, vrows, len, koff, h0, N, D); break
-#define DEFINE_WEIGHTED_V(D)                                                                 \
-    static void weighted_v_##D(float *o, const float *p, const float *const *vrows,          \
-                               int64_t len, int64_t hq, const int64_t *koff) {               \
-        const int64_t chunk = 24 / (D / 16);                                                 \
-        for (int64_t h0 = 0; h0 < hq; h0 += chunk) {                                         \
-            switch (hq - h0 < chunk ? hq - h0 : chunk) {                                     \
-                WV_CASE(1, D); WV_CASE(2, D); WV_CASE(3, D);                                 \
-                WV_CASE(4, D); WV_CASE(5, D); WV_CASE(6, D);                                 \
+/* Pulls the K and V rows of tokens t .. t + TB - 1 (when in range) toward L2: blocks are
+ * scattered, so the hardware prefetcher cannot run ahead across a block boundary, and
+ * into L2 rather than L1, whose few miss buffers then cap the stream (~9 against ~10.5
+ * GB/s here). */
+static inline void prefetch_rows(const float *const *krows, const float *const *vrows,
+                                 int64_t t, int64_t len, int64_t tok) {
+    for (int64_t i = t; i < t + TB && i < len; i++)
+        for (int64_t e = 0; e < tok; e += 16) {
+            __builtin_prefetch(krows[i] + e, 0, 2);
+            __builtin_prefetch(vrows[i] + e, 0, 2);
+        }
+}
+
+/* Pass 1 at head size D: every head's scores s[h * len + t], TB tokens at a time, a pair
+ * of query heads per read of a key when they share a KV head and D = 64 (queries, sums
+ * and a key row then fill 28 vector registers), one head at a time otherwise. */
+#define DEFINE_SCORES(D)                                                                     \
+    static void scores_##D(float *s, int64_t len, const float *q, const float *const *krows, \
+                           const float *const *vrows, int64_t hq, int64_t group,             \
+                           int64_t tok, float scale) {                                       \
+        const int pair = D == 64 && group % 2 == 0;                                          \
+        for (int64_t t = 0; t < len; t += TB) {                                              \
+            const int64_t n = len - t < TB ? len - t : TB;                                   \
+            for (int64_t h = 0; h < hq; h += 1 + pair) {                                     \
+                float *sh = s + h * len + t;                                                 \
+                const int64_t koff = (h / group) * D;                                        \
+                if (pair) score_tokens(sh, len, q + h * D, krows + t, vrows + t, koff, n, scale, 2, D); \
+                else score_tokens(sh, len, q + h * D, krows + t, vrows + t, koff, n, scale, 1, D); \
             }                                                                                \
         }                                                                                    \
     }
 
-DEFINE_TOKEN_SCORES(64)
-DEFINE_TOKEN_SCORES(128)
-DEFINE_WEIGHTED_V(64)
-DEFINE_WEIGHTED_V(128)
-
-static void token_scores(float *s, int64_t stride, const float *q, const float *k, int64_t hq,
-                         const int64_t *koff, int64_t d, float scale) {
-    if (d == 64) token_scores_64(s, stride, q, k, hq, koff, scale);
-    else if (d == 128) token_scores_128(s, stride, q, k, hq, koff, scale);
-    else
-        for (int64_t h = 0; h < hq; h++) s[h * stride] = dot(q + h * d, k + koff[h], d) * scale;
+/* o[h] = sum_t p[h * len + t] * (token t's V row of h's KV head), fused, for NK KV heads
+ * from kv0 and NG of each one's query heads from sub0: each V vector is loaded once for
+ * its NG heads, and the NK * NG * D / 16 sums (at most 16) stay in registers. */
+static inline __attribute__((always_inline)) void weighted_v_heads(
+    float *o, const float *p, const float *const *vrows, int64_t len, int64_t group,
+    int64_t kv0, int64_t sub0, const int NK, const int NG, const int D) {
+    v16 acc[4][4][8];
+#pragma GCC unroll 4
+    for (int k = 0; k < NK; k++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NG; j++)
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 16; c++) acc[k][j][c] = (v16){0};
+    for (int64_t t = 0; t < len; t++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < NK; k++) {
+            const float *v = vrows[t] + (kv0 + k) * D;
+            v16 w[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < NG; j++) w[j] = (v16){0} + p[((kv0 + k) * group + sub0 + j) * len + t];
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 16; c++) {
+                const v16 vc = load16(v + 16 * c);
+#pragma GCC unroll 4
+                for (int j = 0; j < NG; j++) acc[k][j][c] = fma16(w[j], vc, acc[k][j][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < NK; k++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NG; j++)
+            memcpy(o + ((kv0 + k) * group + sub0 + j) * D, acc[k][j], sizeof(float) * D);
 }
 
-static void weighted_v(float *o, const float *p, const float *const *vrows, int64_t len,
-                       int64_t hq, const int64_t *koff, int64_t d) {
-    if (d == 64) return weighted_v_64(o, p, vrows, len, hq, koff);
-    if (d == 128) return weighted_v_128(o, p, vrows, len, hq, koff);
-    memset(o, 0, sizeof(float) * (size_t)(hq * d));
-    for (int64_t t = 0; t < len; t++)
-        for (int64_t h = 0; h < hq; h++) axpy(o + h * d, p[h * len + t], vrows[t] + koff[h], d);
-}
+#define WV(NK, NG, D) weighted_v_heads(o, p, vrows, len, group, kv0, sub0, NK, NG, D)
+
+/* Pass 2 at head size D: whole GQA groups of several KV heads per pass while their sums
+ * fit 16 registers, else each group in parts of 16 / (D / 16) heads. */
+#define DEFINE_WEIGHTED_V(D, CASES)                                                          \
+    static void weighted_v_##D(float *o, const float *p, const float *const *vrows,          \
+                               int64_t len, int64_t hq, int64_t hkv) {                       \
+        const int64_t group = hq / hkv, dv = D / 16, whole = group * dv <= 16;               \
+        const int64_t nk = whole ? 16 / (group * dv) : 1, ng = whole ? group : 16 / dv;      \
+        for (int64_t kv0 = 0; kv0 < hkv; kv0 += nk)                                          \
+            for (int64_t sub0 = 0; sub0 < group; sub0 += ng) {                               \
+                const int64_t k = hkv - kv0 < nk ? hkv - kv0 : nk;                           \
+                const int64_t j = group - sub0 < ng ? group - sub0 : ng;                     \
+                switch (k * 8 + j) { CASES }                                                 \
+            }                                                                                \
+    }
+#define C(NK, NG, D) case NK * 8 + NG: WV(NK, NG, D); break;
+DEFINE_SCORES(64)
+DEFINE_SCORES(128)
+DEFINE_WEIGHTED_V(64, C(1, 1, 64) C(2, 1, 64) C(3, 1, 64) C(4, 1, 64) C(1, 2, 64)
+                      C(2, 2, 64) C(1, 3, 64) C(1, 4, 64))
+DEFINE_WEIGHTED_V(128, C(1, 1, 128) C(2, 1, 128) C(1, 2, 128))
+#undef C
 
 /* In-place softmax of s[0:n] (VW partial maxima and sums so the loops vectorize). */
 static void softmax(float *s, int64_t n) {
@@ -132,14 +182,28 @@ static void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
+/* Any head size: one dot product and one axpy at a time (the shapes above are the ones
+ * models use; this keeps the kernel complete). */
+static void generic_row(float *o, float *s, const float *q, const float *const *krows,
+                        const float *const *vrows, int64_t len, int64_t hq, int64_t group,
+                        int64_t d, float scale) {
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t h = 0; h < hq; h++)
+            s[h * len + t] = dot(q + h * d, krows[t] + (h / group) * d, d) * scale;
+    for (int64_t h = 0; h < hq; h++) softmax(s + h * len, len);
+    memset(o, 0, sizeof(float) * (size_t)(hq * d));
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t h = 0; h < hq; h++) axpy(o + h * d, s[h * len + t], vrows[t] + (h / group) * d, d);
+}
+
 /* Attention of single query rows over the paged cache [num_blocks, bs, hkv, d], reading
  * K/V in place. Query i of this call is row rows[i] of q/out ([T, hq, d]); it attends to
  * positions 0 .. lens[i] - 1 of the sequence whose block table is tables + seqs[i] *
  * table_stride (a decode row: its whole context; a prefill row: its causal prefix). Pass 1
- * streams K token-major once, scoring eight heads at a time, while the same tokens' V is
- * prefetched; pass 2 sums V weighted by the softmax, a chunk of heads per read of V, from
- * cache, with the output in registers. Returns 0, or -1 if scratch memory could not be
- * allocated. */
+ * streams K once, TB tokens at a time, while the V rows of the same tokens are
+ * prefetched; then each head's softmax; pass 2 sums V weighted by it, from cache, with
+ * the outputs of a group of heads in registers. Returns 0, or -1 if scratch memory could
+ * not be allocated. */
 int epd_decode_attention(float *out, const float *q, const float *kc, const float *vc,
                          const int32_t *tables, int64_t table_stride, const int32_t *lens,
                          const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
@@ -148,44 +212,39 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
     for (int64_t i = 0; i < n; i++)
         if (lens[i] > maxlen) maxlen = lens[i];
     float *scores = malloc(sizeof(float) * (size_t)(hq * maxlen));
-    const float **vrows = malloc(sizeof(float *) * (size_t)maxlen);
-    int64_t *koff = malloc(sizeof(int64_t) * (size_t)hq);
-    if (!scores || !vrows || !koff) {
+    /* krows / vrows: a row's token pointers, plus TB copies of the last for a short pass */
+    const float **krows = malloc(sizeof(float *) * (size_t)(2 * (maxlen + TB + PF_AHEAD)));
+    if (!scores || !krows) {
         free(scores);
-        free(vrows);
-        free(koff);
+        free(krows);
         return -1;
     }
+    const float **vrows = krows + maxlen + TB + PF_AHEAD;
     const int64_t group = hq / hkv, tok = hkv * d;
-    for (int64_t h = 0; h < hq; h++) koff[h] = (h / group) * d;
     for (int64_t i = 0; i < n; i++) {
         const int32_t *table = tables + seqs[i] * table_stride;
         const int64_t len = lens[i];
-        const float *qr = q + rows[i] * hq * d, *k = kc;
+        const float *qr = q + rows[i] * hq * d;
+        float *o = out + rows[i] * hq * d;
         for (int64_t t = 0; t < len; t++) {
-            if (t % bs == 0) {
-                k = kc + (int64_t)table[t / bs] * bs * tok;
-                vrows[t] = vc + (int64_t)table[t / bs] * bs * tok;
-            } else {
-                vrows[t] = vrows[t - 1] + tok;
-            }
-            /* Pull this token's V row in while K is scored: the second pass finds it in
-             * cache (a sequence's V is a few hundred KB at most, well inside L2). */
-            for (int64_t e = 0; e < tok; e += 16) __builtin_prefetch(vrows[t] + e, 0, 3);
-            /* And the K row one block ahead: blocks are scattered, so the hardware
-             * prefetcher cannot run ahead across a block boundary. */
-            if (t + bs < len) {
-                const float *kn = kc + ((int64_t)table[t / bs + 1] * bs + t % bs) * tok;
-                for (int64_t e = 0; e < tok; e += 16) __builtin_prefetch(kn + e, 0, 3);
-            }
-            token_scores(scores + t, len, qr, k, hq, koff, d, scale);
-            k += tok;
+            const int64_t off = ((int64_t)table[t / bs] * bs + t % bs) * tok;
+            krows[t] = kc + off, vrows[t] = vc + off;
         }
-        for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
-        weighted_v(out + rows[i] * hq * d, scores, vrows, len, hq, koff, d);
+        for (int64_t t = len; t < len + TB + PF_AHEAD; t++) krows[t] = krows[len - 1], vrows[t] = vrows[len - 1];
+        for (int64_t t = 0; t < PF_AHEAD; t += TB) prefetch_rows(krows, vrows, t, len, tok);
+        if (d == 64) {
+            scores_64(scores, len, qr, krows, vrows, hq, group, tok, scale);
+            for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
+            weighted_v_64(o, scores, vrows, len, hq, hkv);
+        } else if (d == 128) {
+            scores_128(scores, len, qr, krows, vrows, hq, group, tok, scale);
+            for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
+            weighted_v_128(o, scores, vrows, len, hq, hkv);
+        } else {
+            generic_row(o, scores, qr, krows, vrows, len, hq, group, d, scale);
+        }
     }
-    free(koff);
-    free(vrows);
+    free(krows);
     free(scores);
     return 0;
 }
