@@ -54,8 +54,12 @@ def _meta(query_lens, seq_lens, num_blocks, bs, gen) -> AttentionMetadata:
     )  # fmt: skip
 
 
+# GQA groups of 1, 2, 3, 5 and 8 at head size 64 and 128: every way the decode kernel
+# groups heads (a pair per key read; whole groups of 1-4 per V read, larger ones in parts).
 @pytest.mark.parametrize(
-    "hq,hkv,d", [(8, 4, 64), (16, 2, 128), (12, 4, 64), (4, 4, 16), (6, 2, 40)]
+    "hq,hkv,d",
+    [(8, 4, 64), (16, 2, 128), (12, 4, 64), (4, 4, 16), (6, 2, 40), (8, 8, 64), (16, 2, 64),
+     (10, 2, 64), (8, 8, 128)],
 )
 def test_attention_matches_torch_on_mixed_batches(be, threads, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * d)
