@@ -8,8 +8,8 @@ phases and the CPU backend's ops with timers, runs the workload once and prints:
   prefill tokens and decode rows, mean batch;
 - the step's phases: scheduling, input preparation, the model, the LM head + argmax,
   the scheduler's update, the engine's output processing (the rest of ``step``);
-- the model's ops (attention split into native rows and the per-sequence SDPA fallback
-  beyond ``TILE_MAX_CONTEXT``), summed over layers.
+- the model's ops (attention split into steps served natively and steps that left chunks
+  to the per-sequence SDPA fallback), summed over layers.
 ``--cprofile`` also prints the top functions by own time (cProfile inflates Python's
 share; the phase timers are the figures to quote).
 """
@@ -32,12 +32,11 @@ import _vs_vllm_workloads as workloads  # noqa: E402
 from _vs_vllm_steps import STEPS, TIMES, report, timed  # noqa: E402
 from _vs_vllm_worker import WARM_LENGTHS, Ours  # noqa: E402
 
-from services.kernels.cpu_attention import TILE_MAX_CONTEXT  # noqa: E402
 
-
-def _attention_kind(query, k_cache, v_cache, meta, scale) -> str:
-    sdpa = any(q > 1 and c > TILE_MAX_CONTEXT
-               for q, c in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True))  # fmt: skip
+def _attention_kind(backend) -> str:
+    """The timer of the attention call just made: did its plan leave chunks to SDPA?"""
+    plan = backend._plan[1]
+    sdpa = plan is not None and plan.sdpa_meta is not None
     return "op: attention (step with SDPA fallback)" if sdpa else "op: attention (native)"
 
 
@@ -52,7 +51,7 @@ def instrument(engine) -> None:
     for op in ("linear", "rms_norm", "silu_mul", "rotary", "write_kv", "decode_stack"):
         if hasattr(backend, op):
             timed(backend, op, f"op: {op}")
-    timed(backend, "attention", "", split=_attention_kind)
+    timed(backend, "attention", "", split=lambda *_: _attention_kind(backend))
     step = engine.step
 
     def logged_step():

@@ -51,10 +51,10 @@ def way(be: CpuBackend, name: str):
         return ref.attention
 
     def call(query, kc, vc, meta, scale):
-        names = ("TILE_MIN_ROWS", "TILE_MAX_CONTEXT", "ROW_EXTEND_MAX")  # SDPA never
+        names = ("TILE_MIN_ROWS", "ROW_EXTEND_MAX")  # SDPA never
         old = [getattr(cpu_attention, n) for n in names]
         big = 1 << 30
-        limits = (big, big, big) if name == "row" else (2, big, big)
+        limits = (big, big) if name == "row" else (2, big)
         try:
             for n, v in zip(names, limits, strict=True):
                 setattr(cpu_attention, n, v)

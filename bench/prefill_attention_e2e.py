@@ -29,8 +29,8 @@ from _peers_checkpoint import text_checkpoint  # noqa: E402
 from services import LLM, SamplingParams  # noqa: E402
 from services.kernels import cpu_attention  # noqa: E402
 
-NAMES = ("TILE_MIN_ROWS", "TILE_MAX_CONTEXT", "ROW_EXTEND_MAX", "SDPA_MIN_ROWS")
-BEFORE = (1 << 30, 1024, 1024, 2)  # no tiles; per row up to 1,024 tokens, SDPA beyond
+NAMES = ("TILE_MIN_ROWS", "ROW_EXTEND_MAX")
+BEFORE = (1 << 30, 1024)  # no tiles; per row up to 1,024 tokens, SDPA beyond
 AFTER = tuple(getattr(cpu_attention, n) for n in NAMES)
 
 

@@ -7,13 +7,11 @@ Two kernels read the paged KV cache in place:
 - ``epd_extend_attention`` (csrc/epd_extend.c): tiles of up to ``TILE_QUERIES`` query
   vectors (consecutive positions of one sequence x the GQA group of one KV head) with an
   online softmax, so every key read serves the whole tile. Prefill/extend chunks of any
-  context length.
+  context length: it beats torch's SDPA on every chunk shape measured, up to 4,000 x 4,000
+  (``bench/prefill_attention.py``; docs/cpu-performance.md, "Prefill attention").
 
-Chunks of ``SDPA_MIN_ROWS`` rows or more over a context longer than ``TILE_MAX_CONTEXT``
-go to torch's SDPA, as do chunks of a shape the tile kernel does not take beyond
-``ROW_EXTEND_MAX`` (below it, per row).
-The limits are measured (``bench/prefill_attention.py``): see ``docs/cpu-performance.md``,
-"Prefill attention".
+Chunks of a shape the tile kernel does not take go per row up to ``ROW_EXTEND_MAX``
+tokens of context, to torch's SDPA beyond.
 """
 
 from __future__ import annotations
@@ -25,16 +23,11 @@ import torch
 from services.kernels import torch_backend as ref
 from services.kernels.metadata import AttentionMetadata
 
-TILE_QUERIES = 32  # XT_ROWS in epd_extend.c
+TILE_QUERIES = 64  # XT_ROWS in epd_extend.c
 # Chunks of at least this many rows are tiled; shorter ones go row by row.
 TILE_MIN_ROWS = 2
-# Chunks of at least SDPA_MIN_ROWS rows over more than TILE_MAX_CONTEXT tokens go to
-# torch's SDPA: its 256-query blocks through MKL's GEMM beat the tiles there (2000 x 2000:
-# 100 against 110 ms), not on shorter chunks of long contexts (512 x 2000: 42 against 40).
-TILE_MAX_CONTEXT = 1024
-SDPA_MIN_ROWS = 1024
-# Longest context the per-row kernel takes for prefill rows when the tile kernel cannot
-# (its K/V, re-read by every row, stays in L2 at 4 KV heads x 64); beyond, SDPA's tiling.
+# Longest context the per-row kernel takes for prefill rows of a chunk the tile kernel does
+# not take (its K/V, re-read by every row, stays in L2 at 4 KV heads x 64); beyond, SDPA.
 ROW_EXTEND_MAX = 1024
 
 
@@ -57,15 +50,14 @@ class AttentionPlan:
         self.shape = (hq, hkv, d)
         self.starts = ref.query_starts(meta)
         tile = tile_kernel_takes(hq, hkv, d)
-        sdpa_ctx, sdpa_rows = (TILE_MAX_CONTEXT, SDPA_MIN_ROWS) if tile else (ROW_EXTEND_MAX, 2)
         rows, seqs, lens, units, costs = [], [], [], [], []
         sdpa_lens = [0] * meta.num_seqs  # query lengths of the sequences SDPA serves
         for b, (q, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             s = self.starts[b]
-            if q >= max(sdpa_rows, 2) and ctx > sdpa_ctx:
-                sdpa_lens[b] = q
-            elif q >= TILE_MIN_ROWS and tile:
+            if tile and q >= TILE_MIN_ROWS:
                 _tile_units(units, costs, b, s, q, ctx, hq // hkv, hkv)
+            elif q >= 2 and ctx > ROW_EXTEND_MAX:
+                sdpa_lens[b] = q
             else:
                 rows.extend(range(s, s + q))
                 seqs.extend([b] * q)

@@ -27,13 +27,6 @@ def threads(request):
     torch.set_num_threads(old)
 
 
-@pytest.fixture
-def tile_everything(monkeypatch):
-    """Every chunk of two rows or more to the tile kernel, however long its context."""
-    monkeypatch.setattr(cpu_attention, "TILE_MAX_CONTEXT", 1 << 30)
-    monkeypatch.setattr(cpu_attention, "TILE_MIN_ROWS", 2)
-
-
 def _check(be, query_lens, seq_lens, hq, hkv, d, seed, bs=16):
     gen = torch.Generator().manual_seed(seed)
     nb = sum(-(-s // bs) for s in seq_lens) + 8
@@ -50,7 +43,7 @@ def _check(be, query_lens, seq_lens, hq, hkv, d, seed, bs=16):
 
 @pytest.mark.parametrize("g", [1, 2, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
-def test_ragged_batches_match_torch(be, threads, tile_everything, g, d):
+def test_ragged_batches_match_torch(be, threads, g, d):
     """Whole prompts, chunks starting mid-context (at and off block boundaries), decode rows."""
     hkv = 2
     query_lens = [1, 37, 16, 5, 1, 2, 70]
@@ -60,21 +53,23 @@ def test_ragged_batches_match_torch(be, threads, tile_everything, g, d):
 
 
 @pytest.mark.parametrize("g,d", [(2, 64), (4, 128)])
-def test_contexts_past_4096(be, threads, tile_everything, g, d):
+def test_contexts_past_4096(be, threads, g, d):
     """A chunk deep into a 4,300-token context and a whole 1,100-token prompt."""
     plan, tiled = _check(be, [40, 1100, 1], [4300, 1100, 4200], 4 * g, 4, d, seed=5)
     assert tiled == [0, 1] and plan.num_rows == 1
 
 
-def test_the_plan_sends_long_chunks_of_long_contexts_to_sdpa(be, monkeypatch):
-    """Past TILE_MAX_CONTEXT, chunks of SDPA_MIN_ROWS rows go to torch, shorter ones to
-    tiles; decode rows per row."""
-    monkeypatch.setattr(cpu_attention, "SDPA_MIN_ROWS", 40)
-    long_ctx = cpu_attention.TILE_MAX_CONTEXT + 100
-    plan, tiled = _check(be, [1, 2, 30, 12, 40], [90, 40, 30, long_ctx, long_ctx], 8, 4, 64,
-                         seed=3)  # fmt: skip
-    assert tiled == [1, 2, 3] and plan.num_rows == 1
-    assert plan.sdpa_meta.query_lens_cpu == [0, 0, 0, 0, 40]
+def test_the_plan_tiles_every_chunk_it_can_and_sends_other_long_ones_to_sdpa(be):
+    """Chunks of a head size the tile kernel takes are tiled however long their context;
+    of one it does not take (d = 40), long chunks past ROW_EXTEND_MAX go to torch and
+    shorter ones per row; decode rows per row either way."""
+    long_ctx = cpu_attention.ROW_EXTEND_MAX + 100
+    plan, tiled = _check(be, [1, 2, 30, 12, 1200], [90, 40, 30, long_ctx, long_ctx + 1200], 8,
+                         4, 64, seed=3)  # fmt: skip
+    assert tiled == [1, 2, 3, 4] and plan.num_rows == 1 and plan.sdpa_meta is None
+    plan, tiled = _check(be, [1, 12, 40], [90, 300, long_ctx], 8, 4, 40, seed=3)
+    assert tiled == [] and plan.num_rows == 13
+    assert plan.sdpa_meta.query_lens_cpu == [0, 0, 40]
 
 
 def test_head_sizes_the_tile_kernel_does_not_take_go_per_row(be):
@@ -82,7 +77,7 @@ def test_head_sizes_the_tile_kernel_does_not_take_go_per_row(be):
     assert tiled == [] and plan.num_rows == 10 and plan.sdpa_meta is None
 
 
-def test_unit_ranges_cover_every_unit_once_at_about_equal_cost(be, tile_everything):
+def test_unit_ranges_cover_every_unit_once_at_about_equal_cost(be):
     plan, _ = _check(be, [600, 3], [1800, 900], 8, 4, 64, seed=6)
     n = plan.units.shape[0]
     for parts in (1, 2, 3, 7):

@@ -75,8 +75,8 @@ def test_attention_matches_torch_on_mixed_batches(be, threads, hq, hkv, d):
 
 
 def test_attention_long_contexts_and_many_sequences(be, threads):
-    """Decode rows up to 700 tokens, prefill chunks past and just under TILE_MAX_CONTEXT
-    (too short for SDPA_MIN_ROWS: the tile kernel serves both)."""
+    """Decode rows up to 700 tokens, prefill chunks of 1,000 and 1,500 tokens of context
+    (the tile kernel serves both)."""
     gen = torch.Generator().manual_seed(7)
     lens = [int(x) for x in torch.randint(1, 700, (40,), generator=gen)]
     query_lens, lens = [1] * 40 + [30, 12], lens + [1500, 1000]

@@ -116,31 +116,46 @@ static inline float exp_approx(float x) {
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v16 splat16(float x) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_set1_ps(x);
+#else
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#endif
+}
 
 static inline v8 select8(v8i m, v8 a, v8 b) { return (v8)((m & (v8i)a) | (~m & (v8i)b)); }
+static inline v16 select16(v16i m, v16 a, v16 b) { return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
 
 static inline v8 max8(v8 a, v8 b) { return select8(a > b, a, b); }
+static inline v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
 
-/* exp_approx on eight lanes, bitwise the same values (the same operations in the same
- * order): GCC does not vectorize the scalar one well inside a larger loop. */
-static inline v8 exp8(v8 x) {
-    x = max8(splat8(-87.f), x);
-    x = select8(x > splat8(88.f), splat8(88.f), x);
-    const v8 magic = splat8(12582912.f);
-    const v8 n = (x * 1.44269504088896341f + magic) - magic;
-    const v8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    v8 p = splat8(1.f / 720.f);
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8)e;
-}
+/* exp_approx on eight (exp8) or sixteen (exp16) lanes, bitwise the same values (the same
+ * operations in the same order): GCC does not vectorize the scalar one well inside a
+ * larger loop. */
+#define DEFINE_EXP(NAME, V, VI, SPLAT, SELECT, MAX)                                          \
+    static inline V NAME(V x) {                                                              \
+        x = MAX(SPLAT(-87.f), x);                                                            \
+        x = SELECT(x > SPLAT(88.f), SPLAT(88.f), x);                                         \
+        const V magic = SPLAT(12582912.f);                                                   \
+        const V n = (x * 1.44269504088896341f + magic) - magic;                              \
+        const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;               \
+        V p = SPLAT(1.f / 720.f);                                                            \
+        p = p * r + 1.f / 120.f;                                                             \
+        p = p * r + 1.f / 24.f;                                                              \
+        p = p * r + 1.f / 6.f;                                                               \
+        p = p * r + 0.5f;                                                                    \
+        p = p * r + 1.f;                                                                     \
+        p = p * r + 1.f;                                                                     \
+        const VI e = (__builtin_convertvector(n, VI) + 127) << 23;                           \
+        return p * (V)e;                                                                     \
+    }
+DEFINE_EXP(exp8, v8, v8i, splat8, select8, max8)
+DEFINE_EXP(exp16, v16, v16i, splat16, select16, max16)
+#undef DEFINE_EXP
 
 static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];

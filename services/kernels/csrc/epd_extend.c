@@ -12,9 +12,14 @@
  *
  * Layouts keep every inner loop free of transposes and horizontal sums: the tile's queries
  * are packed once, transposed and pre-scaled (qt[c][j]); scores are kept key-major
- * (s[i][j]: key i, query j), so a key's features are broadcast against eight queries per
+ * (s[i][j]: key i, query j), so a key's features are broadcast against VL queries per
  * vector, the softmax's maxima and sums run down columns (vertical, vectorized), and
- * P.V broadcasts s[i][j] against V rows as they lie in the cache. */
+ * P.V broadcasts s[i][j] against V rows as they lie in the cache.
+ *
+ * Numerics: a query's score is one chain of fused multiply-adds over the features in
+ * order, its output one over the keys in order, and the softmax steps fall every XT_KEYS
+ * keys from key 0; so a query's result does not depend on the other queries of its tile,
+ * nor on the vector width (VL: 16 lanes on AVX-512, 8 elsewhere). */
 #include "epd_common.h"
 
 #if defined(__x86_64__) && defined(__AVX__)
@@ -23,124 +28,153 @@
 #define KEEP_IN_REGISTER(v) (void)0
 #endif
 
-#define XT_ROWS 32 /* query vectors per unit: positions x GQA group */
-#define XT_KEYS 64 /* keys per online-softmax step (four blocks of 16) */
+#define XT_ROWS 64 /* query vectors per unit: positions x GQA group */
+#define XT_KEYS 64 /* keys per online-softmax step */
 
+/* The vector the loops run on, and register blocks that fill the register file: on
+ * AVX-512 (32 registers) the scores take SK keys x SV vectors of queries per step and P.V
+ * PQ queries x PF vectors of features; AVX2's 16 registers take half as many vectors. */
+#if defined(__AVX512F__)
+#define VL 16
+typedef v16 vf;
+typedef v16i vi;
+#define loadv load16
+#define fmav fma16
+#define splatv splat16
+#define selectv select16
+#define maxv max16
+#define expv exp16
+enum { SK = 6, SV = 4, PQ = 4, PF = 4 };
+#else
+#define VL 8
+typedef v8 vf;
+typedef v8i vi;
+#define loadv load8
+#define fmav fma8
+#define splatv splat8
+#define selectv select8
+#define maxv max8
+#define expv exp8
+enum { SK = 4, SV = 2, PQ = 4, PF = 2 };
+#endif
 
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* s[i][j] = <qt[:, j], krow[i]> for keys i < nt and queries j < 8 * nv (row stride w), four
- * keys by two vectors of queries at a time: eight accumulators, within AVX2's 16 registers
- * with room for the loads. */
+/* s[i][j] = <qt[:, j], krow[i]> for keys i < nt and queries j < VL * nv (row stride w), SK
+ * keys by SV vectors of queries per step, the sums in registers. */
 static void tile_scores(float *s, int64_t w, const float *qt, const float *const *krow,
-                        int64_t nt, int64_t d, int64_t nv, const float *const *pf, int64_t npf) {
-    int64_t i = 0;
-    for (; i + 4 <= nt; i += 4) {
-        /* Pull the next step's rows toward L2, a few per group of keys: spread out, the
-         * prefetches never fill the miss buffers at once. */
-        for (int64_t r = 2 * i; r < 2 * i + 8 && r < npf; r++)
-            for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(pf[r] + c, 0, 1);
-        const float *k0 = krow[i], *k1 = krow[i + 1], *k2 = krow[i + 2], *k3 = krow[i + 3];
-        int64_t v = 0;
-        for (; v + 2 <= nv; v += 2) {
-            v8 a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, e0 = {0}, e1 = {0};
-            for (int64_t c = 0; c < d; c++) {
-                v8 x = load8(qt + c * w + 8 * v), y = load8(qt + c * w + 8 * v + 8);
-                /* Keep x and y in registers: folded into each FMA as a memory operand (what
-                 * GCC does unasked) they cost eight loads instead of two. */
-                KEEP_IN_REGISTER(x);
-                KEEP_IN_REGISTER(y);
-                v8 kk = splat8(k0[c]);
-                a0 = fma8(kk, x, a0), a1 = fma8(kk, y, a1);
-                kk = splat8(k1[c]);
-                b0 = fma8(kk, x, b0), b1 = fma8(kk, y, b1);
-                kk = splat8(k2[c]);
-                c0 = fma8(kk, x, c0), c1 = fma8(kk, y, c1);
-                kk = splat8(k3[c]);
-                e0 = fma8(kk, x, e0), e1 = fma8(kk, y, e1);
+                        int64_t nt, int64_t d, int64_t nv) {
+    for (int64_t i = 0; i < nt; i += SK) {
+        const float *k[SK];
+        for (int r = 0; r < SK; r++) k[r] = krow[i + r < nt ? i + r : nt - 1];
+        for (int64_t v = 0; v < nv; v += SV) {
+            const int64_t nu = nv - v < SV ? nv - v : SV;
+            vf acc[SK][SV];
+#pragma GCC unroll 8
+            for (int r = 0; r < SK; r++)
+#pragma GCC unroll 8
+                for (int u = 0; u < SV; u++) acc[r][u] = (vf){0};
+            if (nu == SV) {
+                for (int64_t c = 0; c < d; c++) {
+                    vf x[SV];
+#pragma GCC unroll 8
+                    for (int u = 0; u < SV; u++) {
+                        x[u] = loadv(qt + c * w + VL * (v + u));
+                        /* In registers: folded into each FMA as a memory operand (what
+                         * GCC does unasked) they cost SK loads each instead of one. */
+                        KEEP_IN_REGISTER(x[u]);
+                    }
+#pragma GCC unroll 8
+                    for (int r = 0; r < SK; r++) {
+                        const vf kk = splatv(k[r][c]);
+#pragma GCC unroll 8
+                        for (int u = 0; u < SV; u++) acc[r][u] = fmav(kk, x[u], acc[r][u]);
+                    }
+                }
+            } else {
+                for (int64_t c = 0; c < d; c++)
+                    for (int r = 0; r < SK; r++)
+                        for (int64_t u = 0; u < nu; u++)
+                            acc[r][u] = fmav(splatv(k[r][c]), loadv(qt + c * w + VL * (v + u)),
+                                             acc[r][u]);  // fmt: skip
             }
-            float *o = s + i * w + 8 * v;
-            store8(o, a0), store8(o + 8, a1), store8(o + w, b0), store8(o + w + 8, b1);
-            store8(o + 2 * w, c0), store8(o + 2 * w + 8, c1);
-            store8(o + 3 * w, e0), store8(o + 3 * w + 8, e1);
-        }
-        for (; v < nv; v++) {
-            v8 a = {0}, b = {0}, c_ = {0}, e = {0};
-            for (int64_t c = 0; c < d; c++) {
-                v8 x = load8(qt + c * w + 8 * v);
-                KEEP_IN_REGISTER(x);
-                a = fma8(splat8(k0[c]), x, a), b = fma8(splat8(k1[c]), x, b);
-                c_ = fma8(splat8(k2[c]), x, c_), e = fma8(splat8(k3[c]), x, e);
-            }
-            float *o = s + i * w + 8 * v;
-            store8(o, a), store8(o + w, b), store8(o + 2 * w, c_), store8(o + 3 * w, e);
+            for (int r = 0; r < SK && i + r < nt; r++)
+                for (int64_t u = 0; u < nu; u++) storev(s + (i + r) * w + VL * (v + u), acc[r][u]);
         }
     }
-    for (; i < nt; i++)
-        for (int64_t v = 0; v < nv; v++) {
-            v8 a = {0};
-            for (int64_t c = 0; c < d; c++) a = fma8(splat8(krow[i][c]), load8(qt + c * w + 8 * v), a);
-            store8(s + i * w + 8 * v, a);
-        }
 }
 
-/* o[j][:] += sum_i p[i][j] * vrow[i][:] for queries j < w (a multiple of 8) and keys i < nt:
- * four queries by sixteen features at a time, eight accumulators. d % 16 == 0. */
+/* o[j][c : c + VL * NF] += sum_i p[i][j] * vrow[i][c : c + VL * NF] for queries j < w (a
+ * multiple of PQ) and keys i < nt: PQ queries by NF vectors of features per step, the
+ * sums in registers. */
+static inline __attribute__((always_inline)) void pv_features(
+    float *o, const float *p, int64_t w, const float *const *vrow, int64_t nt, int64_t d,
+    int64_t c, const int NF) {
+    for (int64_t j = 0; j < w; j += PQ) {
+        vf acc[PQ][PF];
+#pragma GCC unroll 8
+        for (int a = 0; a < PQ; a++)
+#pragma GCC unroll 8
+            for (int f = 0; f < NF; f++) acc[a][f] = loadv(o + (j + a) * d + c + VL * f);
+        for (int64_t i = 0; i < nt; i++) {
+            vf x[PF];
+#pragma GCC unroll 8
+            for (int f = 0; f < NF; f++) x[f] = loadv(vrow[i] + c + VL * f);
+            const float *pi = p + i * w + j;
+#pragma GCC unroll 8
+            for (int a = 0; a < PQ; a++) {
+                const vf pp = splatv(pi[a]);
+#pragma GCC unroll 8
+                for (int f = 0; f < NF; f++) acc[a][f] = fmav(pp, x[f], acc[a][f]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int a = 0; a < PQ; a++)
+#pragma GCC unroll 8
+            for (int f = 0; f < NF; f++) storev(o + (j + a) * d + c + VL * f, acc[a][f]);
+    }
+}
+
+/* o[j][:] += sum_i p[i][j] * vrow[i][:], PF vectors of features at a time (one at the end
+ * of a head size that is not a multiple of VL * PF). Features outermost: those of all nt V
+ * rows stay in L1 while every group of queries reads them. d % VL == 0. */
 static void tile_pv(float *o, const float *p, int64_t w, const float *const *vrow, int64_t nt,
                     int64_t d) {
-    /* Features outermost: the 16 features of all nt V rows (4 KB) stay in L1 while every
-     * group of four queries reads them. */
-    for (int64_t c = 0; c < d; c += 16)
-        for (int64_t j = 0; j < w; j += 4) {
-            float *o0 = o + j * d + c, *o1 = o0 + d, *o2 = o1 + d, *o3 = o2 + d;
-            v8 a0 = load8(o0), a1 = load8(o0 + 8), b0 = load8(o1), b1 = load8(o1 + 8);
-            v8 c0 = load8(o2), c1 = load8(o2 + 8), e0 = load8(o3), e1 = load8(o3 + 8);
-            for (int64_t i = 0; i < nt; i++) {
-                const v8 x = load8(vrow[i] + c), y = load8(vrow[i] + c + 8);
-                const float *pi = p + i * w + j;
-                v8 pp = splat8(pi[0]);
-                a0 = fma8(pp, x, a0), a1 = fma8(pp, y, a1);
-                pp = splat8(pi[1]);
-                b0 = fma8(pp, x, b0), b1 = fma8(pp, y, b1);
-                pp = splat8(pi[2]);
-                c0 = fma8(pp, x, c0), c1 = fma8(pp, y, c1);
-                pp = splat8(pi[3]);
-                e0 = fma8(pp, x, e0), e1 = fma8(pp, y, e1);
-            }
-            store8(o0, a0), store8(o0 + 8, a1), store8(o1, b0), store8(o1 + 8, b1);
-            store8(o2, c0), store8(o2 + 8, c1), store8(o3, e0), store8(o3 + 8, e1);
-        }
+    int64_t c = 0;
+    for (; c + VL * PF <= d; c += VL * PF) pv_features(o, p, w, vrow, nt, d, c, PF);
+    for (; c < d; c += VL) pv_features(o, p, w, vrow, nt, d, c, 1);
 }
 
-/* One online-softmax step over keys t0 .. t0 + nt - 1, eight queries per vector: mask keys
+/* One online-softmax step over keys t0 .. t0 + nt - 1, VL queries per vector: mask keys
  * past each query's own position (lim[j]), turn s into exp(s - new max), rescale the
  * running sum l and output o by exp(old max - new max). Query j's first step holds key 0,
  * so its max is finite from then on and a masked key gives exactly 0. */
 static void tile_softmax(float *s, float *o, float *mx, float *l, const int32_t *lim,
                          int64_t t0, int64_t nt, int64_t w, int64_t d) {
-    const v8 ninf = splat8(-INFINITY);
-    for (int64_t v = 0; v < w; v += 8) {
-        const v8i lv = *(const v8i *)(lim + v);
-        v8 mnew = load8(mx + v), sum = {0};
+    const vf ninf = splatv(-INFINITY);
+    for (int64_t v = 0; v < w; v += VL) {
+        vi lv;
+        memcpy(&lv, lim + v, sizeof lv);
+        vf mnew = loadv(mx + v), sum = {0};
         for (int64_t i = 0; i < nt; i++) {
-            v8 x = load8(s + i * w + v);
-            if (t0 + i > lim[v]) x = select8((v8i){0} + (int32_t)(t0 + i) > lv, ninf, x);
-            store8(s + i * w + v, x);
-            mnew = max8(mnew, x);
+            vf x = loadv(s + i * w + v);
+            if (t0 + i > lim[v]) x = selectv((vi){0} + (int32_t)(t0 + i) > lv, ninf, x);
+            storev(s + i * w + v, x);
+            mnew = maxv(mnew, x);
         }
         for (int64_t i = 0; i < nt; i++) {
-            const v8 x = load8(s + i * w + v);
-            const v8 p = select8(x == ninf, (v8){0}, exp8(x - mnew));
-            store8(s + i * w + v, p);
+            const vf x = loadv(s + i * w + v);
+            const vf p = selectv(x == ninf, (vf){0}, expv(x - mnew));
+            storev(s + i * w + v, p);
             sum += p;
         }
-        const v8 alpha = exp8(load8(mx + v) - mnew); /* ~0 on the first step: l = o = 0 */
-        store8(l + v, load8(l + v) * alpha + sum);
-        store8(mx + v, mnew);
+        const vf alpha = expv(loadv(mx + v) - mnew); /* ~0 on the first step: l = o = 0 */
+        storev(l + v, loadv(l + v) * alpha + sum);
+        storev(mx + v, mnew);
         if (t0 == 0) continue;
-        for (int64_t j = v; j < v + 8; j++)
+        for (int64_t j = v; j < v + VL; j++)
             if (alpha[j - v] != 1.f)
-                for (int64_t c = 0; c < d; c += 8) store8(o + j * d + c, load8(o + j * d + c) * alpha[j - v]);
+                for (int64_t c = 0; c < d; c += VL) storev(o + j * d + c, loadv(o + j * d + c) * alpha[j - v]);
     }
 }
 
@@ -155,12 +189,12 @@ typedef struct {
  * scratch: qt [d][w], o [w][d], s [XT_KEYS][w]. */
 static void extend_unit(float *out, const extend_args *a, const int64_t *u, float *scratch) {
     const int64_t g = a->hq / a->hkv, m = u[2], pos0 = u[3], kvh = u[4], d = a->d;
-    const int64_t nq = m * g, nv = (nq + 7) / 8, w = 8 * nv, tok = a->hkv * d;
+    const int64_t nq = m * g, nv = (nq + VL - 1) / VL, w = VL * nv, tok = a->hkv * d;
     const int32_t *table = a->tables + u[0] * a->table_stride;
     float *qt = scratch, *o = qt + d * w, *s = o + w * d;
     float mx[XT_ROWS], l[XT_ROWS];
-    int32_t lim[XT_ROWS] __attribute__((aligned(32)));
-    const float *krow[XT_KEYS], *vrow[XT_KEYS], *pf[2 * XT_KEYS];
+    int32_t lim[XT_ROWS];
+    const float *krow[XT_KEYS], *vrow[XT_KEYS];
     memset(qt, 0, sizeof(float) * (size_t)(d * w));
     memset(o, 0, sizeof(float) * (size_t)(w * d));
     for (int64_t j = 0; j < w; j++) {
@@ -179,16 +213,17 @@ static void extend_unit(float *out, const extend_args *a, const int64_t *u, floa
             krow[i] = a->kc + off + kvh * d;
             vrow[i] = a->vc + off + kvh * d;
         }
-        /* The next step's K/V rows, prefetched while this step is scored: a unit's rows
-         * are short runs scattered over blocks, which the hardware prefetcher does not
-         * follow, and a long context lives in L3. */
-        const int64_t nn = len - t0 - nt < XT_KEYS ? len - t0 - nt : XT_KEYS;
-        for (int64_t i = 0; i < nn; i++) {
-            const int64_t t = t0 + nt + i;
+        /* The next step's K/V rows, toward L2 while this step is scored: a unit's rows are
+         * short runs scattered over blocks, which the hardware prefetcher does not follow,
+         * and a long context lives in L3. */
+        for (int64_t t = t0 + XT_KEYS; t < t0 + 2 * XT_KEYS && t < len; t++) {
             const int64_t off = ((int64_t)table[t / a->bs] * a->bs + t % a->bs) * tok + kvh * d;
-            pf[2 * i] = a->kc + off, pf[2 * i + 1] = a->vc + off;
+            for (int64_t c = 0; c < d; c += 16) {
+                __builtin_prefetch(a->kc + off + c, 0, 2);
+                __builtin_prefetch(a->vc + off + c, 0, 2);
+            }
         }
-        tile_scores(s, w, qt, krow, nt, d, nv, pf, 2 * nn);
+        tile_scores(s, w, qt, krow, nt, d, nv);
         tile_softmax(s, o, mx, l, lim, t0, nt, w, d);
         tile_pv(o, s, w, vrow, nt, d);
     }
