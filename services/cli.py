@@ -23,7 +23,8 @@ def engine_config(args):
 
     keys = ("dtype", "device", "load_format", "max_model_len", "block_size",
             "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend",
-            "num_scheduler_steps", "speculative_config", "greedy_head_screen")  # fmt: skip
+            "num_scheduler_steps", "speculative_config", "greedy_head_screen",
+            "packed_weights_mb")  # fmt: skip
     models = getattr(args, "model", None) or []
     several = getattr(args, "command", None) == "up" or getattr(args, "role", None) == "gateway"
     if len(models) > 1 and not several:

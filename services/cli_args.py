@@ -30,6 +30,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto | on | off: greedy tokens through a bfloat16 screen of the LM "
                         "head, the same tokens as fp32 (cpu backend; auto: where the CPU has "
                         "bfloat16 dot products)")  # fmt: skip
+    g.add_argument("--packed-weights-mb", type=int, default=None,
+                   help="memory for oneDNN's packed copies of linear weights, MiB (cpu "
+                        "backend on non-Intel CPUs; 4096; 0: none)")  # fmt: skip
     g.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per scheduling round (default 1)")  # fmt: skip
     g.add_argument("--speculative-config", default=None,

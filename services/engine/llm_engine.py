@@ -40,7 +40,8 @@ class LLMEngine:
         self.config = config
         device = resolve_device(config.device)
         self.backend = get_backend(config.attention_backend, device, config.kernel_cache_dir,
-                                   config.kernel_cc, config.greedy_head_screen)  # fmt: skip
+                                   config.kernel_cc, greedy_head_screen=config.greedy_head_screen,
+                                   packed_weights_mb=config.packed_weights_mb)  # fmt: skip
         self.step_tokens = config.step_token_budget(device.type)
         self.loaded = lm = load_model(config, self.backend)
         self.model = lm.model

@@ -117,16 +117,16 @@ class Backend(Protocol):
 
 
 def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "",
-                kernel_cc: str = "cc", greedy_head_screen: str = "auto") -> Backend:  # fmt: skip
+                kernel_cc: str = "cc", **cpu_options) -> Backend:  # fmt: skip
     """``auto`` picks Triton on CUDA, else the native CPU kernels when they build here, else
-    torch; ``cpu`` insists on the native kernels (``greedy_head_screen``: theirs, see
-    EngineConfig)."""
+    torch; ``cpu`` insists on the native kernels (``cpu_options``: theirs, e.g.
+    ``greedy_head_screen`` and ``packed_weights_mb``, see EngineConfig)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
         if name == "cpu":
             from services.kernels.cpu_backend import CpuBackend
 
-            backend = CpuBackend.create(kernel_cache_dir, kernel_cc, greedy_head_screen)
+            backend = CpuBackend.create(kernel_cache_dir, kernel_cc, **cpu_options)
             if backend is not None:
                 return backend
             name = "torch"
@@ -135,7 +135,7 @@ def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "",
 
         if device.type != "cpu":
             raise ValueError("attention backend 'cpu' serves only device cpu")
-        backend = CpuBackend.create(kernel_cache_dir, kernel_cc, greedy_head_screen)
+        backend = CpuBackend.create(kernel_cache_dir, kernel_cc, **cpu_options)
         if backend is None:
             raise ValueError("attention backend 'cpu' is unavailable: its kernels did not build")
         return backend

@@ -9,10 +9,9 @@ op of the same contract, so the backend is always complete.
   share each key read (``cpu_attention`` plans which rows go where).
 - Linear: a streaming GEMV for 1-32 rows (batch-1 decode is bound by weight reads) on W^T
   (the column-major weights models keep on CPU) or W row-major (a tied LM head, i.e. the
-  embedding table: see epd_gemv_rm), and
-  beyond, oneDNN's fp32 GEMM on AMD CPUs (5-25 % faster than MKL's on the shapes of a
-  decode step, where MKL does not use its AVX-512 path) and MKL's on Intel (5-25 % faster
-  than oneDNN's there); F.linear for a few rows on other layouts.
+  embedding table: see epd_gemv_rm), and beyond, a GEMM (``cpu_gemm``): oneDNN's on AMD
+  CPUs, over packed copies of the weights while a memory budget lasts, MKL's on Intel;
+  F.linear for a few rows on other layouts.
 - SiLU x mul, RMSNorm (with the residual add), rotary and greedy argmax as single passes.
 - Greedy tokens through a bfloat16 screen of the LM head where the CPU multiplies
   bfloat16 (``cpu_head``): the fp32 logits' argmax in about half the head's time.
@@ -26,16 +25,16 @@ run on (``csrc/epd_parallel.c``; ctypes releases the GIL).
 from __future__ import annotations
 
 import ctypes
-import functools
 import weakref
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from services.config import EngineConfig
 from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
 from services.kernels.cpu_attention import AttentionPlan, extend_one_split
+from services.kernels.cpu_gemm import GEMM_MIN_ROWS, OneDnnGemm, prefer_mkldnn
 from services.kernels.cpu_head import ScreenedHead, bf16_linear_works, has_native_bf16
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata, DecoderStack
@@ -50,33 +49,10 @@ from services.kernels.metadata import AttentionMetadata, DecoderStack
 GEMV_MAX_ROWS = 32
 # epd_gemv_rm (row-major W: a tied LM head) has no multi-row kernel: its measured cap.
 GEMV_RM_MAX_ROWS = 16
-GEMM_MIN_ROWS = 8
+PACKED_WEIGHTS_MB = EngineConfig.packed_weights_mb  # the default (see cpu_gemm.OneDnnGemm)
 _F32 = torch.float32
 _ptr, _fp32, _layout = cpu_native.ptr, cpu_native.fp32, cpu_native.gemv_layout
 _bounds = cpu_native.bounds
-
-
-@functools.cache
-def _prefer_mkldnn() -> bool:
-    """oneDNN's GEMM for linears past the GEMV's rows, or torch's own (MKL)? On AMD CPUs MKL
-    skips its AVX-512 path and oneDNN was 5-25 % faster on a decode step's shapes; on Intel
-    MKL is 5-25 % faster than oneDNN with unpacked weights (64-2048 rows, the peers Llama's
-    matrices and LM head). Chosen by vendor, never by a timing at start-up, so a given
-    machine always sums the same way."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return _mkldnn_linear_works()
-    return "GenuineIntel" not in info and _mkldnn_linear_works()
-
-
-def _mkldnn_linear_works() -> bool:
-    try:
-        x, w = torch.ones(GEMM_MIN_ROWS, 4), torch.ones(3, 4)
-        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return bool(torch.equal(y, F.linear(x, w)))
-    except (RuntimeError, AttributeError):
-        return False
 
 
 class CpuBackend:
@@ -86,9 +62,10 @@ class CpuBackend:
     stack_max_rows = GEMV_MAX_ROWS
     write_kv = staticmethod(ref.write_kv)
 
-    def __init__(self, lib: ctypes.CDLL, greedy_head_screen: str = "auto"):
+    def __init__(self, lib: ctypes.CDLL, greedy_head_screen: str = "auto",
+                 packed_weights_mb: int = PACKED_WEIGHTS_MB):  # fmt: skip
         self.lib = lib
-        self.use_mkldnn = _prefer_mkldnn()
+        self.onednn = OneDnnGemm(packed_weights_mb) if prefer_mkldnn() else None
         on = {"on": True, "off": False}.get(greedy_head_screen)
         self.screen_heads = has_native_bf16() if on is None else on and bf16_linear_works()
         self._screens: dict[int, tuple[weakref.ref, ScreenedHead]] = {}
@@ -98,12 +75,13 @@ class CpuBackend:
 
     @classmethod
     def create(cls, kernel_cache_dir: str = "", compiler: str = "cc",
-               greedy_head_screen: str = "auto") -> CpuBackend | None:  # fmt: skip
+               greedy_head_screen: str = "auto",
+               packed_weights_mb: int = PACKED_WEIGHTS_MB) -> CpuBackend | None:  # fmt: skip
         lib = cpu_native.load(kernel_cache_dir or cpu_native.default_cache_dir(), compiler)
         if lib is None:
             return None
         cpu_native.keep_freed_memory()
-        return cls(lib, greedy_head_screen)
+        return cls(lib, greedy_head_screen, packed_weights_mb)
 
     # -- threading ------------------------------------------------------------------
     def _split(self, n: int, min_chunk: int) -> list[tuple[int, int]]:
@@ -219,8 +197,8 @@ class CpuBackend:
         layout = _layout(weight) if rows <= GEMV_MAX_ROWS and _fp32(x) else None
         if layout is not None and (layout or rows <= GEMV_RM_MAX_ROWS):
             return self._gemv(x, weight, bias, n, k, layout)
-        if rows >= GEMM_MIN_ROWS and self.use_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if rows >= GEMM_MIN_ROWS and self.onednn is not None:
+            return self.onednn(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _gemv(self, x, weight, bias, n: int, k: int, transposed: int) -> torch.Tensor:
