@@ -19,58 +19,86 @@ static inline v8 reduce8(const v8 *x) {
     return SHUF(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-#define TB 8      /* tokens scored per pass over a head's query: one reduce8 of their sums */
+/* The vector the loops run on: on AVX-512 one register holds sixteen lanes of a dot
+ * product's chain, elsewhere two do (GCC compiles sixteen-lane vectors without AVX-512
+ * through the stack: ~6x slower). Lane l of a chain sums features 16c + l either way, so
+ * the two builds give the same bits. ACC: the sums a pass keeps in registers; TQ: tokens
+ * a block of scores takes (their sums, the queries and a key row fill the registers). */
+#if defined(__AVX512F__)
+#define VL 16
+typedef v16 vf;
+#define loadv load16
+#define fmav fma16
+enum { ACC = 16, TQ = 8, PAIR = 1 };
+static inline v8 fold8(const vf *a) { return lo8(a[0]) + hi8(a[0]); }
+#else
+#define VL 8
+typedef v8 vf;
+#define loadv load8
+#define fmav fma8
+enum { ACC = 8, TQ = 4, PAIR = 0 };
+static inline v8 fold8(const vf *a) { return a[0] + a[1]; }
+#endif
+#define PER16 (16 / VL) /* vectors per sixteen lanes */
+
+#define TB 8 /* tokens scored per pass over a head's query: one reduce8 of their sums */
 /* Tokens between a K/V row's prefetch and its use: 16-32 alike here, 8 slower. */
 #define PF_AHEAD 16
 
 /* s[j * stride + i] = scale * <q[j], krows[i] + koff> for NH query heads q[0 .. NH - 1]
  * of one KV head (at koff in a token's row) and tokens i < n <= TB (krows holds TB valid
- * pointers). The queries stay in registers over the TB tokens, and each key vector is
- * loaded once for all NH heads. A dot product is one chain of fused multiply-adds over
- * sixteen lanes, its lanes then reduced eight dot products at a time; the same operations
- * in the same order whatever else shares the pass, so a score does not depend on them. */
+ * pointers). The queries stay in registers over the TB tokens where they fit, and each
+ * key vector is loaded once for all NH heads. A dot product is one chain of fused
+ * multiply-adds over sixteen lanes, its lanes then reduced eight dot products at a time;
+ * the same operations in the same order whatever else shares the pass, so a score does
+ * not depend on them. Each token's slice of the K and V rows PF_AHEAD tokens on is
+ * prefetched into L2 between the products: interleaved, the prefetches keep the memory
+ * busy without stalling the arithmetic (a separate loop of them ran 25 % slower or
+ * faster with the code's alignment). */
 static inline __attribute__((always_inline)) void score_tokens(
     float *s, int64_t stride, const float *q, const float *const *krows,
     const float *const *vrows, int64_t koff, int64_t n, float scale, const int NH,
     const int D) {
-    v16 qv[2][8], acc[2][TB];
+    vf qv[2][D / VL];
+    v8 part[2][TB];
 #pragma GCC unroll 2
     for (int j = 0; j < NH; j++)
-#pragma GCC unroll 8
-        for (int c = 0; c < D / 16; c++) qv[j][c] = load16(q + j * D + 16 * c);
-#pragma GCC unroll 8
-    for (int i = 0; i < TB; i++) {
-        const float *k = krows[i] + koff;
-#pragma GCC unroll 8
-        for (int c = 0; c < D / 16; c++) {
-            __builtin_prefetch(krows[i + PF_AHEAD] + koff + 16 * c, 0, 2);
-            __builtin_prefetch(vrows[i + PF_AHEAD] + koff + 16 * c, 0, 2);
-        }
-        const v16 k0 = load16(k);
+#pragma GCC unroll 16
+        for (int c = 0; c < D / VL; c++) qv[j][c] = loadv(q + j * D + VL * c);
 #pragma GCC unroll 2
-        for (int j = 0; j < NH; j++) acc[j][i] = qv[j][0] * k0;
+    for (int i0 = 0; i0 < TB; i0 += TQ) {
+        vf acc[2][TQ][PER16];
 #pragma GCC unroll 8
-        for (int c = 1; c < D / 16; c++) {
-            const v16 kc = load16(k + 16 * c);
+        for (int i = 0; i < TQ; i++) {
+            const float *k = krows[i0 + i] + koff;
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 16; c++) {
+                __builtin_prefetch(krows[i0 + i + PF_AHEAD] + koff + 16 * c, 0, 2);
+                __builtin_prefetch(vrows[i0 + i + PF_AHEAD] + koff + 16 * c, 0, 2);
+            }
+#pragma GCC unroll 16
+            for (int c = 0; c < D / VL; c++) {
+                const vf kc = loadv(k + VL * c);
 #pragma GCC unroll 2
-            for (int j = 0; j < NH; j++) acc[j][i] = fma16(qv[j][c], kc, acc[j][i]);
+                for (int j = 0; j < NH; j++)
+                    acc[j][i][c % PER16] = c < PER16 ? qv[j][c] * kc
+                                                     : fmav(qv[j][c], kc, acc[j][i][c % PER16]);
+            }
         }
+#pragma GCC unroll 2
+        for (int j = 0; j < NH; j++)
+#pragma GCC unroll 8
+            for (int i = 0; i < TQ; i++) part[j][i0 + i] = fold8(acc[j][i]);
     }
 #pragma GCC unroll 2
     for (int j = 0; j < NH; j++) {
-        v8 part[TB];
-#pragma GCC unroll 8
-        for (int i = 0; i < TB; i++) part[i] = lo8(acc[j][i]) + hi8(acc[j][i]);
-        const v8 r = reduce8(part) * scale;
+        const v8 r = reduce8(part[j]) * scale;
         if (n == TB) memcpy(s + j * stride, &r, sizeof r);
         else memcpy(s + j * stride, &r, sizeof(float) * (size_t)n);
     }
 }
 
-/* Pulls the K and V rows of tokens t .. t + TB - 1 (when in range) toward L2: blocks are
- * scattered, so the hardware prefetcher cannot run ahead across a block boundary, and
- * into L2 rather than L1, whose few miss buffers then cap the stream (~9 against ~10.5
- * GB/s here). */
+/* Pulls the K and V rows of tokens t .. t + TB - 1 (when in range) toward L2. */
 static inline void prefetch_rows(const float *const *krows, const float *const *vrows,
                                  int64_t t, int64_t len, int64_t tok) {
     for (int64_t i = t; i < t + TB && i < len; i++)
@@ -81,13 +109,14 @@ static inline void prefetch_rows(const float *const *krows, const float *const *
 }
 
 /* Pass 1 at head size D: every head's scores s[h * len + t], TB tokens at a time, a pair
- * of query heads per read of a key when they share a KV head and D = 64 (queries, sums
- * and a key row then fill 28 vector registers), one head at a time otherwise. */
+ * of query heads per read of a key when they share a KV head, D = 64 and the registers
+ * hold both (AVX-512: queries, sums and a key row then fill 28), one head at a time
+ * otherwise. */
 #define DEFINE_SCORES(D)                                                                     \
     static void scores_##D(float *s, int64_t len, const float *q, const float *const *krows, \
                            const float *const *vrows, int64_t hq, int64_t group,             \
-                           int64_t tok, float scale) {                                       \
-        const int pair = D == 64 && group % 2 == 0;                                          \
+                           float scale) {                                                    \
+        const int pair = PAIR && D == 64 && group % 2 == 0;                                  \
         for (int64_t t = 0; t < len; t += TB) {                                              \
             const int64_t n = len - t < TB ? len - t : TB;                                   \
             for (int64_t h = 0; h < hq; h += 1 + pair) {                                     \
@@ -99,31 +128,33 @@ static inline void prefetch_rows(const float *const *krows, const float *const *
         }                                                                                    \
     }
 
-/* o[h] = sum_t p[h * len + t] * (token t's V row of h's KV head), fused, for NK KV heads
- * from kv0 and NG of each one's query heads from sub0: each V vector is loaded once for
- * its NG heads, and the NK * NG * D / 16 sums (at most 16) stay in registers. */
+/* o[h][c0 : c0 + VL * FV] = sum_t p[h * len + t] * (token t's V row of h's KV head), fused,
+ * for NK KV heads from kv0 and NG of each one's query heads from sub0: each V vector is
+ * loaded once for its NG heads, and the NK * NG * FV sums (at most ACC) stay in registers.
+ * A lane's sum runs over the tokens in order whatever the pass holds besides. */
 static inline __attribute__((always_inline)) void weighted_v_heads(
     float *o, const float *p, const float *const *vrows, int64_t len, int64_t group,
-    int64_t kv0, int64_t sub0, const int NK, const int NG, const int D) {
-    v16 acc[4][4][8];
+    int64_t kv0, int64_t sub0, int64_t c0, const int NK, const int NG, const int FV,
+    const int D) {
+    vf acc[4][4][8];
 #pragma GCC unroll 4
     for (int k = 0; k < NK; k++)
 #pragma GCC unroll 4
         for (int j = 0; j < NG; j++)
 #pragma GCC unroll 8
-            for (int c = 0; c < D / 16; c++) acc[k][j][c] = (v16){0};
+            for (int f = 0; f < FV; f++) acc[k][j][f] = (vf){0};
     for (int64_t t = 0; t < len; t++) {
 #pragma GCC unroll 4
         for (int k = 0; k < NK; k++) {
-            const float *v = vrows[t] + (kv0 + k) * D;
-            v16 w[4];
+            const float *v = vrows[t] + (kv0 + k) * D + c0;
+            vf w[4];
 #pragma GCC unroll 4
-            for (int j = 0; j < NG; j++) w[j] = (v16){0} + p[((kv0 + k) * group + sub0 + j) * len + t];
+            for (int j = 0; j < NG; j++) w[j] = (vf){0} + p[((kv0 + k) * group + sub0 + j) * len + t];
 #pragma GCC unroll 8
-            for (int c = 0; c < D / 16; c++) {
-                const v16 vc = load16(v + 16 * c);
+            for (int f = 0; f < FV; f++) {
+                const vf vv = loadv(v + VL * f);
 #pragma GCC unroll 4
-                for (int j = 0; j < NG; j++) acc[k][j][c] = fma16(w[j], vc, acc[k][j][c]);
+                for (int j = 0; j < NG; j++) acc[k][j][f] = fmav(w[j], vv, acc[k][j][f]);
             }
         }
     }
@@ -131,31 +162,38 @@ static inline __attribute__((always_inline)) void weighted_v_heads(
     for (int k = 0; k < NK; k++)
 #pragma GCC unroll 4
         for (int j = 0; j < NG; j++)
-            memcpy(o + ((kv0 + k) * group + sub0 + j) * D, acc[k][j], sizeof(float) * D);
+            memcpy(o + ((kv0 + k) * group + sub0 + j) * D + c0, acc[k][j],
+                   sizeof(float) * VL * FV);  // fmt: skip
 }
 
-#define WV(NK, NG, D) weighted_v_heads(o, p, vrows, len, group, kv0, sub0, NK, NG, D)
-
-/* Pass 2 at head size D: whole GQA groups of several KV heads per pass while their sums
- * fit 16 registers, else each group in parts of 16 / (D / 16) heads. */
-#define DEFINE_WEIGHTED_V(D, CASES)                                                          \
+/* Pass 2 at head size D, FV vectors of features a pass: whole GQA groups of several KV
+ * heads per pass while their sums fit ACC registers, else each group in parts of ACC / FV
+ * heads. */
+#define DEFINE_WEIGHTED_V(D, FV, CASES)                                                      \
     static void weighted_v_##D(float *o, const float *p, const float *const *vrows,          \
                                int64_t len, int64_t hq, int64_t hkv) {                       \
-        const int64_t group = hq / hkv, dv = D / 16, whole = group * dv <= 16;               \
-        const int64_t nk = whole ? 16 / (group * dv) : 1, ng = whole ? group : 16 / dv;      \
+        const int64_t group = hq / hkv, whole = group * FV <= ACC;                           \
+        const int64_t nk = whole ? ACC / (group * FV) : 1, ng = whole ? group : ACC / FV;    \
         for (int64_t kv0 = 0; kv0 < hkv; kv0 += nk)                                          \
-            for (int64_t sub0 = 0; sub0 < group; sub0 += ng) {                               \
-                const int64_t k = hkv - kv0 < nk ? hkv - kv0 : nk;                           \
-                const int64_t j = group - sub0 < ng ? group - sub0 : ng;                     \
-                switch (k * 8 + j) { CASES }                                                 \
-            }                                                                                \
+            for (int64_t sub0 = 0; sub0 < group; sub0 += ng)                                 \
+                for (int64_t c0 = 0; c0 < D; c0 += VL * FV) {                                \
+                    const int64_t k = hkv - kv0 < nk ? hkv - kv0 : nk;                       \
+                    const int64_t j = group - sub0 < ng ? group - sub0 : ng;                 \
+                    switch (k * 8 + j) { CASES }                                             \
+                }                                                                            \
     }
-#define C(NK, NG, D) case NK * 8 + NG: WV(NK, NG, D); break;
+#define C(NK, NG, FV, D)                                                                     \
+    case NK * 8 + NG: weighted_v_heads(o, p, vrows, len, group, kv0, sub0, c0, NK, NG, FV, D); break;
 DEFINE_SCORES(64)
 DEFINE_SCORES(128)
-DEFINE_WEIGHTED_V(64, C(1, 1, 64) C(2, 1, 64) C(3, 1, 64) C(4, 1, 64) C(1, 2, 64)
-                      C(2, 2, 64) C(1, 3, 64) C(1, 4, 64))
-DEFINE_WEIGHTED_V(128, C(1, 1, 128) C(2, 1, 128) C(1, 2, 128))
+#if VL == 16 /* sixteen lanes: every feature of a head at D = 64 in 4 registers, 128 in 8 */
+DEFINE_WEIGHTED_V(64, 4, C(1, 1, 4, 64) C(2, 1, 4, 64) C(3, 1, 4, 64) C(4, 1, 4, 64)
+                         C(1, 2, 4, 64) C(2, 2, 4, 64) C(1, 3, 4, 64) C(1, 4, 4, 64))
+DEFINE_WEIGHTED_V(128, 8, C(1, 1, 8, 128) C(2, 1, 8, 128) C(1, 2, 8, 128))
+#else /* eight lanes: 32 features of a head a pass, in 4 registers */
+DEFINE_WEIGHTED_V(64, 4, C(1, 1, 4, 64) C(2, 1, 4, 64) C(1, 2, 4, 64))
+DEFINE_WEIGHTED_V(128, 4, C(1, 1, 4, 128) C(2, 1, 4, 128) C(1, 2, 4, 128))
+#endif
 #undef C
 
 /* In-place softmax of s[0:n] (VW partial maxima and sums so the loops vectorize). */
@@ -233,11 +271,11 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
         for (int64_t t = len; t < len + TB + PF_AHEAD; t++) krows[t] = krows[len - 1], vrows[t] = vrows[len - 1];
         for (int64_t t = 0; t < PF_AHEAD; t += TB) prefetch_rows(krows, vrows, t, len, tok);
         if (d == 64) {
-            scores_64(scores, len, qr, krows, vrows, hq, group, tok, scale);
+            scores_64(scores, len, qr, krows, vrows, hq, group, scale);
             for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
             weighted_v_64(o, scores, vrows, len, hq, hkv);
         } else if (d == 128) {
-            scores_128(scores, len, qr, krows, vrows, hq, group, tok, scale);
+            scores_128(scores, len, qr, krows, vrows, hq, group, scale);
             for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
             weighted_v_128(o, scores, vrows, len, hq, hkv);
         } else {
