@@ -98,10 +98,11 @@ static inline __attribute__((always_inline)) void score_tokens(
     }
 }
 
-/* Pulls the K and V rows of tokens t .. t + TB - 1 (when in range) toward L2. */
-static inline void prefetch_rows(const float *const *krows, const float *const *vrows,
-                                 int64_t t, int64_t len, int64_t tok) {
-    for (int64_t i = t; i < t + TB && i < len; i++)
+/* Pulls the whole K and V rows of tokens 0 .. n - 1 toward L2 (a row's first tokens:
+ * score_tokens prefetches the rest as it goes). */
+static void prefetch_rows(const float *const *krows, const float *const *vrows, int64_t n,
+                          int64_t tok) {
+    for (int64_t i = 0; i < n; i++)
         for (int64_t e = 0; e < tok; e += 16) {
             __builtin_prefetch(krows[i] + e, 0, 2);
             __builtin_prefetch(vrows[i] + e, 0, 2);
@@ -250,7 +251,8 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
     for (int64_t i = 0; i < n; i++)
         if (lens[i] > maxlen) maxlen = lens[i];
     float *scores = malloc(sizeof(float) * (size_t)(hq * maxlen));
-    /* krows / vrows: a row's token pointers, plus TB copies of the last for a short pass */
+    /* krows / vrows: a row's token pointers, then TB + PF_AHEAD copies of the last for a
+     * short pass and for the prefetches past the end */
     const float **krows = malloc(sizeof(float *) * (size_t)(2 * (maxlen + TB + PF_AHEAD)));
     if (!scores || !krows) {
         free(scores);
@@ -264,12 +266,16 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
         const int64_t len = lens[i];
         const float *qr = q + rows[i] * hq * d;
         float *o = out + rows[i] * hq * d;
+        if (len < 1) { /* attends to nothing: no row the backend plans */
+            memset(o, 0, sizeof(float) * (size_t)(hq * d));
+            continue;
+        }
         for (int64_t t = 0; t < len; t++) {
             const int64_t off = ((int64_t)table[t / bs] * bs + t % bs) * tok;
             krows[t] = kc + off, vrows[t] = vc + off;
         }
         for (int64_t t = len; t < len + TB + PF_AHEAD; t++) krows[t] = krows[len - 1], vrows[t] = vrows[len - 1];
-        for (int64_t t = 0; t < PF_AHEAD; t += TB) prefetch_rows(krows, vrows, t, len, tok);
+        prefetch_rows(krows, vrows, len < PF_AHEAD ? len : PF_AHEAD, tok);
         if (d == 64) {
             scores_64(scores, len, qr, krows, vrows, hq, group, scale);
             for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
