@@ -14,7 +14,8 @@ its first GEMM while a memory budget lasts (``EngineConfig.packed_weights_mb``).
 copies give the same bits (the same kernel runs either way; ``tests/unit/test_cpu_gemm.py``
 checks 8 to 2,048 rows) and are kept beside the column-major weights, which the GEMV and
 the one-call decode step still read. On the peers Llama, one AMD Zen 4 core: 64-row
-products 5-30 % faster, 2,048-row ones 2-12 % (docs/cpu-performance.md, "Packed weights").
+products 5-30 % faster, 2,048-row ones 2-12 % (``bench/packed_gemm.py``;
+docs/cpu-performance.md, "Packed oneDNN weights").
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 
 GEMM_MIN_ROWS = 8
 # oneDNN tunes a blocked layout for a batch size; one packed for 64 rows served 33-2,048
-# rows as fast as one packed for each (within 5 % either way, the same bits).
+# rows about as fast as one packed for 2,048 (either ahead by up to ~15 % on some shapes,
+# bench/packed_gemm.py), with the same bits.
 PACK_ROWS = 64
 
 
