@@ -25,6 +25,7 @@ import pytest_asyncio
 
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
+from services.metrics import MIGRATIONS
 from tests.integration.stack import start_disaggregated
 
 pytestmark = [
@@ -70,6 +71,27 @@ async def tokens(stub, req) -> list[int]:
     return got
 
 
+def describe(k: int, got: list[int], reference: list[list[int]]) -> str:
+    """A wrong answer, told so that one failure says where to look: where it leaves its
+    reference, and whether it is another prompt's answer (a crossed stream) or nobody's
+    (wrong input or KV)."""
+    want = reference[k]
+    pairs = enumerate(zip(got, want, strict=False))
+    at = next((i for i, (a, b) in pairs if a != b), min(len(got), len(want)))
+    other = [j for j, r in enumerate(reference) if r == got]
+    return (
+        f"prompt {k}: {len(got)} tokens, leaves its reference at token {at} "
+        f"(got {got[at : at + 4]}, want {want[at : at + 4]}); equals the answer of prompts "
+        f"{other or 'none'}; tokens {got}"
+    )
+
+
+def moves() -> dict[str, float]:
+    """The gateway's retries and migrations so far (this process), by role and kind."""
+    return {"/".join(s.labels.values()): s.value for m in MIGRATIONS.collect()
+            for s in m.samples if s.name.endswith("_total")}  # fmt: skip
+
+
 def rss() -> int:
     gc.collect()
     return psutil.Process().memory_info().rss
@@ -81,6 +103,7 @@ async def test_200_streams_for_a_minute_without_errors_or_memory_growth(stack):
     reference = [await tokens(stack.stub, r) for r in reqs]
     assert all(len(r) == MAX_TOKENS for r in reference)
     done, errors, wrong = [0], [], []
+    moves_before = moves()
     start = time.monotonic()
     end = start + DURATION_S
 
@@ -94,7 +117,7 @@ async def test_200_streams_for_a_minute_without_errors_or_memory_growth(stack):
                 errors.append(repr(e)[:300])
                 continue
             if got != reference[k]:
-                wrong.append((k, got))
+                wrong.append(describe(k, got, reference))
             done[0] += 1
 
     timeline: list[tuple[int, int]] = []  # (seconds, MiB) every 5 s, for the record
@@ -123,7 +146,7 @@ async def test_200_streams_for_a_minute_without_errors_or_memory_growth(stack):
           f"{done_warm} in the first {WARM_S:.0f}s; errors {len(errors)}, wrong {len(wrong)}; "
           f"RSS {rss_warm / 2**20:.0f} MiB at {WARM_S:.0f}s -> {rss_end / 2**20:.0f} MiB "
           f"at the end ({growth:+.1%}; second half {second_half:+.1%}); "
-          f"RSS (s, MiB): {timeline}")  # fmt: skip
+          f"RSS (s, MiB): {timeline}; retries and migrations {moves_before} -> {moves()}")  # fmt: skip
     assert not errors, errors[:5]
     assert not wrong, wrong[:3]
     assert done[0] - done_warm >= STREAMS  # every stream kept being served after the mark
