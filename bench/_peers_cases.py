@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GROUPS = ("random", "tools", "paraphrase", "mm")
-TEXT_SYSTEMS = ("epd-agg", "epd-disagg", "vllm", "llama.cpp")
+# epd-agg-asyncio: epd-agg on asyncio's own loop (uvloop's share; only when named).
+TEXT_SYSTEMS = ("epd-agg", "epd-disagg", "vllm", "llama.cpp", "epd-agg-asyncio")
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,9 @@ class ServiceConfig(FromEnv):
     encode_batch_window_ms: float = 0.0
     # Seconds in-flight work may take to finish at shutdown.
     shutdown_grace_s: float = 10.0
+    # The process's event loop: "auto" (uvloop when installed, else asyncio's own),
+    # "uvloop" or "asyncio" (services/runtime.py's run says why).
+    event_loop: str = "auto"
     # Largest payload an instance accepts as a blob (an image sent to an encoder, an
     # embedding sent to prefill), in MiB: what one receive may buffer.
     max_blob_mb: int = 256
@@ -245,5 +248,7 @@ class ServiceConfig(FromEnv):
             raise ValueError("grpc_port must be in 0..65535")
         if self.max_blob_mb < 1:
             raise ValueError("max_blob_mb must be >= 1")
+        if self.event_loop not in ("auto", "uvloop", "asyncio"):
+            raise ValueError(f"event_loop must be auto, uvloop or asyncio, got {self.event_loop!r}")
         if self.embedding_ttl_s <= 0 or self.encode_batch_window_ms < 0:
             raise ValueError("embedding_ttl_s must be > 0 and encode_batch_window_ms >= 0")

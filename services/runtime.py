@@ -12,13 +12,14 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 from services.bus.connection import Bus, BusConfig
 from services.config import ServiceConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Service(Protocol):
@@ -33,6 +34,27 @@ async def connect_bus(config: ServiceConfig, name: str) -> Bus:
     creds / nkey seed file, TLS files): every service connects through here."""
     servers = tuple(u.strip() for u in config.nats_url.split(",") if u.strip())
     return await Bus.connect(BusConfig(servers=servers, name=name, auth=config.nats_auth()))
+
+
+def run(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
+    """``asyncio.run(main)`` on the loop ``event_loop`` names (ServiceConfig.event_loop).
+
+    Why uvloop: a service's loop is one core's worth of Python beside the engine (in
+    ``serve all``, the same core): every streamed token is a few callbacks, a socket write
+    and a NATS or SSE frame. uvloop runs those parts in C (libuv); asyncio's own loop is the
+    fallback where uvloop is not installed, and the reference tests run on.
+    """
+    factory = None
+    if event_loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise ValueError("event_loop 'uvloop': uvloop is not installed") from None
+        else:
+            factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
 
 
 async def serve_until_signal(service: Service) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from services.config import EngineConfig, ServiceConfig
 from services.observability import ObservabilityConfig
-from services.runtime import serve_until_signal
+from services.runtime import run, serve_until_signal
 
 
 def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None,
@@ -42,5 +40,5 @@ def serve(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway
     service = make_service(role, engine_config, config, gateway, cache)
     if observability is not None:
         service.observability = observability
-    asyncio.run(serve_until_signal(service))
+    run(serve_until_signal(service), config.event_loop)
     return 0
