@@ -86,7 +86,9 @@ class OneDnnGemm:
     @property
     def packed_bytes(self) -> int:
         """Memory held by the packed copies."""
-        return sum(w.numel() * w.element_size() for _, _, w in self._packs.values() if w is not None)
+        return sum(
+            w.numel() * w.element_size() for _, _, w in self._packs.values() if w is not None
+        )
 
     def _weight(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)
