@@ -86,7 +86,9 @@ def main() -> None:
         res, types = cpu_native._SIGNATURES["epd_par_decode_attention"]
         base.epd_par_decode_attention.restype, base.epd_par_decode_attention.argtypes = res, types
         ways["base"] = lambda: call(base, q, kc, vc, plan, ranges)
-        print(f"the same bits as the base build: {torch.equal(ways['this build'](), ways['base']())}")
+        print(
+            f"the same bits as the base build: {torch.equal(ways['this build'](), ways['base']())}"
+        )
     sweep = torch.empty(16 << 20)
     best = dict.fromkeys(ways, float("inf"))
     for _ in range(args.rounds):

@@ -58,8 +58,17 @@ def _meta(query_lens, seq_lens, num_blocks, bs, gen) -> AttentionMetadata:
 # groups heads (a pair per key read; whole groups of 1-4 per V read, larger ones in parts).
 @pytest.mark.parametrize(
     "hq,hkv,d",
-    [(8, 4, 64), (16, 2, 128), (12, 4, 64), (4, 4, 16), (6, 2, 40), (8, 8, 64), (16, 2, 64),
-     (10, 2, 64), (8, 8, 128)],
+    [
+        (8, 4, 64),
+        (16, 2, 128),
+        (12, 4, 64),
+        (4, 4, 16),
+        (6, 2, 40),
+        (8, 8, 64),
+        (16, 2, 64),
+        (10, 2, 64),
+        (8, 8, 128),
+    ],
 )
 def test_attention_matches_torch_on_mixed_batches(be, threads, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * d)
