@@ -80,8 +80,9 @@ def systems_for(group: str, args: argparse.Namespace) -> list[servers.System]:
                  servers.vllm_system(args.peers_dir / "vllm", text, t),
                  servers.llama_system(servers.llama_binary(args.peers_dir), _gguf(args, text), t, 64)]  # fmt: skip
         if args.systems and "epd-agg-asyncio" in args.systems:  # uvloop's share, when named
-            found.append(servers.epd_system("epd-agg-asyncio", text, t, True, off))
-            found[-1].env["EPD_EVENT_LOOP"] = "asyncio"
+            on_asyncio = servers.epd_system("epd-agg-asyncio", text, t, True, off)
+            on_asyncio.env["EPD_EVENT_LOOP"] = "asyncio"
+            found.append(on_asyncio)
         return [s for s in found if s is not None]
     if group == "paraphrase":
         demo, text = Path(ckpt.demo_dir()), ckpt.text_words_checkpoint(cache)

@@ -41,8 +41,8 @@ def run(main: Coroutine[Any, Any, T], event_loop: str = "auto") -> T:
 
     Why uvloop: a service's loop is one core's worth of Python beside the engine (in
     ``serve all``, the same core): every streamed token is a few callbacks, a socket write
-    and a NATS or SSE frame. uvloop runs those parts in C (libuv); asyncio's own loop is the
-    fallback where uvloop is not installed, and the reference tests run on.
+    and a NATS or SSE frame. uvloop runs those parts in C (libuv). asyncio's own loop is the
+    fallback where uvloop is not installed (in-process tests run on it too).
     """
     factory = None
     if event_loop in ("auto", "uvloop"):
