@@ -79,14 +79,10 @@ class AggregatedBackend:
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         prompt, embeds = await self._inputs(prep)
         n = prep.params.logprobs or 0
-        outputs = self.engine.generate(prep.request_id, prompt, prep.params, image_embeds=embeds)
+        outputs = self.engine.generate(prep.request_id, prompt, prep.params,
+                                       deadline=prep.deadline, image_embeds=embeds)  # fmt: skip
         try:
-            while True:
-                try:  # the deadline holds between outputs too (time.time: it is unix time)
-                    async with asyncio.timeout(max(0.0, prep.deadline - time.time())):
-                        out = await anext(outputs)
-                except StopAsyncIteration:
-                    return
+            async for out in outputs:
                 for event in events_from_output(out, n):
                     yield event
         except TimeoutError as e:

@@ -55,9 +55,8 @@ class OutputStream:
                 self.stopped = True
         if event.finish_reason is not None:
             self.state.finish(event.finish_reason, event.stop_reason)
-        out = self.state.make_output().outputs[0]
         new = self.state.token_ids[start:]
-        return Delta(new, out.text_delta, self._lps[start : start + len(new)],
+        return Delta(new, self.state.take_text(), self._lps[start : start + len(new)],
                      self.state.finish_reason, self.state.stop_reason, self.index)  # fmt: skip
 
     @property

@@ -14,7 +14,15 @@ from starlette.responses import JSONResponse, Response
 from gateway.core import GatewayCore
 from gateway.errors import classify
 from gateway.prepare import PreparedRequest
-from gateway.rest.responses import SSEResponse, error_response, now, response_id, sse, usage
+from gateway.rest.responses import (
+    SSEResponse,
+    dumps,
+    error_response,
+    now,
+    response_id,
+    sse,
+    usage,
+)
 from gateway.stream import Delta, OutputStream
 
 Item = tuple[int, Delta, list[OutputStream]]  # (prompt number, delta, that prompt's choices)
@@ -94,7 +102,11 @@ class CompletionRun:
 
     async def _events(self, first: Item | None, rest: AsyncIterator[Item], include_usage: bool):
         r, started = self.renderer, set()
-        extra = {"usage": None} if include_usage else {}
+        # Every chunk is the same object but for its one choice: the rest is encoded once
+        # (the bytes are those of dumping the whole chunk).
+        head = dumps({**self.header, "object": r.chunk_object})[:-1] + ',"choices":['
+        tail = ("]" + (',"usage":null' if include_usage else "") + "}\n\n").encode()
+        head = b"data: " + head.encode()
         try:
             item = first
             while item is not None:
@@ -102,7 +114,7 @@ class CompletionRun:
                 key = (k, delta.index)
                 choice = r.chunk_choice(k, delta, streams[delta.index], key not in started)
                 started.add(key)
-                yield sse({**self.header, "object": r.chunk_object, "choices": [choice], **extra})
+                yield head + dumps(choice).encode() + tail
                 item = await anext(rest, None)
             if include_usage:
                 yield sse({**self.header, "object": r.chunk_object, "choices": [],

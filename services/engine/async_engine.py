@@ -13,6 +13,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +21,14 @@ from services.engine.llm_engine import LLMEngine
 from services.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+
+# Put in a stream's queue when its deadline passes.
+_EXPIRED = object()
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (unix time, as clients send it; None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.time())
 
 
 class EngineDeadError(RuntimeError):
@@ -75,15 +84,27 @@ class AsyncEngine:
         self._cmds.put((fn, fut))
         return await asyncio.wrap_future(fut)
 
-    async def stream(self, request_id: str, add: Callable[[], Any]) -> AsyncIterator[RequestOutput]:
-        """Register an output stream, add the request with ``add``, yield its outputs."""
+    async def stream(
+        self, request_id: str, add: Callable[[], Any], deadline: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Register an output stream, add the request with ``add``, yield its outputs.
+        ``deadline`` (unix time): past it the stream raises ``TimeoutError`` (and the
+        request is aborted); one timer for the whole stream, not one per output."""
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         finished = False
+        expiry = None
         try:
-            await self.call(add)
+            async with asyncio.timeout(_left(deadline)):
+                await self.call(add)
+            if deadline is not None:
+                expiry = asyncio.get_running_loop().call_later(
+                    _left(deadline), q.put_nowait, _EXPIRED
+                )
             while True:
                 item = await q.get()
+                if item is _EXPIRED:
+                    raise TimeoutError(f"request {request_id} ran past its deadline")
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -91,15 +112,19 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self._streams.pop(request_id, None)
             if not finished and self.alive:
                 self._cmds.put((lambda: self.engine.abort_request(request_id), None))
 
     def generate(
-        self, request_id: str, prompt, params=None, **kwargs
+        self, request_id: str, prompt, params=None, deadline: float | None = None, **kwargs
     ) -> AsyncIterator[RequestOutput]:
         return self.stream(
-            request_id, lambda: self.engine.add_request(request_id, prompt, params, **kwargs)
+            request_id,
+            lambda: self.engine.add_request(request_id, prompt, params, **kwargs),
+            deadline,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -165,12 +190,18 @@ class AsyncEngine:
             self._abort_everything(e)
             return
         self.steps += 1
-        if self._on_outputs is not None and self._loop is not None:
-            if outputs:
-                self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+        if not outputs or self._loop is None:
             return
+        # One wake-up of the loop a step, not one an output: at 64 running requests the
+        # per-output handles were a measurable share of the loop's time.
+        self._loop.call_soon_threadsafe(self._on_outputs or self._put_all, outputs)
+
+    def _put_all(self, outputs: list[RequestOutput]) -> None:
+        """On the loop: each output to its request's stream (gone streams are skipped)."""
         for out in outputs:
-            self._deliver(out.request_id, out)
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
 
     def _abort_everything(self, error: Exception) -> None:
         failed = []

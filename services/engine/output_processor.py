@@ -93,17 +93,23 @@ class RequestState:
     def wants_output(self) -> bool:
         return not self.final_only or self.finish_reason is not None or self.handed_off
 
-    def make_output(self) -> RequestOutput:
+    def take_text(self) -> str:
+        """The text not sent yet that may go out now (marked sent)."""
         done = self.finish_reason is not None or self.handed_off
         # While running, hold back text that may still turn out to start a stop string.
         hold = 0 if done or not self.params.stop else max(len(s) for s in self.params.stop) - 1
         visible = max(self.sent_chars, len(self.text) - hold)
         delta = self.text[self.sent_chars : visible]
         self.sent_chars = visible
+        return delta
+
+    def make_output(self) -> RequestOutput:
+        done = self.finish_reason is not None or self.handed_off
+        delta = self.take_text()
         new_ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
         comp = CompletionOutput(
-            index=self.index, text=self.text[:visible], token_ids=list(self.token_ids),
+            index=self.index, text=self.text[: self.sent_chars], token_ids=list(self.token_ids),
             cumulative_logprob=self.cum_logprob, logprobs=self.logprobs,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             text_delta=delta, token_ids_delta=new_ids,

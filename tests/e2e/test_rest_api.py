@@ -129,10 +129,16 @@ async def test_streaming_deltas_join_to_the_full_answer(aclient, client, server)
         and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     )
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "stream": True}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     raw = post(server, "/v1/chat/completions", body)
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.text.rstrip().endswith("data: [DONE]")
+    events = [json.loads(e.removeprefix("data: ")) for e in raw.text.split("\n\n") if e.strip()
+              and e.strip() != "data: [DONE]"]  # fmt: skip
+    keys = ["id", "created", "model", "system_fingerprint", "object", "choices", "usage"]
+    assert all(list(e) == keys for e in events) and len({e["id"] for e in events}) == 1
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["total_tokens"]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
 
 
 def test_usage_matches_the_tokenizer(client, server):

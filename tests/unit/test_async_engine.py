@@ -78,6 +78,35 @@ async def test_abort_mid_stream_frees_blocks(ckpt):
         await eng.shutdown()
 
 
+async def test_a_stream_past_its_deadline_raises_and_frees_its_blocks(ckpt):
+    import time
+
+    eng = AsyncEngine(_engine(ckpt))
+    eng.start()
+    free0 = eng.engine.block_manager.num_free_blocks
+    try:
+        params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+        prompt = {"prompt_token_ids": PROMPTS[1]}
+        got = 0
+        with pytest.raises(TimeoutError, match="deadline"):
+            async with asyncio.timeout(30):  # the test's own guard: never hang
+                async for _ in eng.generate("late", prompt, params, deadline=time.time() + 0.5):
+                    got += 1
+        assert got > 0  # outputs came before the deadline, then it ended the stream
+        await eng.call(lambda: None)  # the abort command has run
+        assert eng.engine.block_manager.num_free_blocks == free0
+        assert not eng.engine.has_unfinished_requests()
+        # A deadline already past: nothing is generated.
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(30):
+                async for _ in eng.generate("gone", prompt, params, deadline=time.time() - 1):
+                    pass
+        await eng.call(lambda: None)
+        assert not eng.engine.has_unfinished_requests()
+    finally:
+        await eng.shutdown()
+
+
 async def test_shutdown_mid_stream_fails_the_stream_instead_of_hanging(ckpt):
     from services.engine.async_engine import EngineDeadError
 
