@@ -95,7 +95,7 @@ def fp32(*ts: torch.Tensor) -> bool:
     """Every tensor fp32, on CPU and contiguous: what the kernels read."""
     # A loop, not all(<genexpr>): this runs ~100 times per decode step.
     for t in ts:
-        if t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
             return False
     return True
 
