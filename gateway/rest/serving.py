@@ -104,9 +104,9 @@ class CompletionRun:
         r, started = self.renderer, set()
         # Every chunk is the same object but for its one choice: the rest is encoded once
         # (the bytes are those of dumping the whole chunk).
-        head = dumps({**self.header, "object": r.chunk_object})[:-1] + ',"choices":['
+        fixed = dumps({**self.header, "object": r.chunk_object})[:-1]
+        head = f'data: {fixed},"choices":['.encode()
         tail = ("]" + (',"usage":null' if include_usage else "") + "}\n\n").encode()
-        head = b"data: " + head.encode()
         try:
             item = first
             while item is not None:
