@@ -104,12 +104,18 @@ class AnswerStore:
         """Drop what is past its TTL, over the size bound, over the tenant's quota;
         returns how many entries went."""
         now = time.time()
-        gone = [int(k) for k in await self.redis.zrangebyscore(LRU, "-inf", now - ttl_s)]
-        over = await self.redis.zcard(LRU) - len(gone) - max_entries
+        # The three reads in one round trip: this runs after every store.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(LRU, "-inf", now - ttl_s)
+        pipe.zcard(LRU)
+        pipe.zcard(_tenant(tenant))
+        expired, size, tenant_size = await pipe.execute()
+        gone = [int(k) for k in expired]
+        over = size - len(gone) - max_entries
         if over > 0:
             gone += [int(k) for k, _ in await self.redis.zpopmin(LRU, over + len(gone))]
         if tenant and quota:
-            over = await self.redis.zcard(_tenant(tenant)) - quota
+            over = tenant_size - quota
             if over > 0:
                 gone += [int(k) for k, _ in await self.redis.zpopmin(_tenant(tenant), over)]
         if gone:
