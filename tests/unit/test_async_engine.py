@@ -86,12 +86,17 @@ async def test_a_stream_past_its_deadline_raises_and_frees_its_blocks(ckpt):
     try:
         params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
         prompt = {"prompt_token_ids": PROMPTS[1]}
-        got = 0
+        agen = eng.generate("late", prompt, params, deadline=time.time() + 0.5)
+        first = await anext(agen)
+        assert not first.finished
+        # The engine thread stalls (a command runs between steps) past the deadline: the
+        # request cannot finish before it, however fast the machine.
+        stall = asyncio.ensure_future(eng.call(lambda: time.sleep(1.5)))
         with pytest.raises(TimeoutError, match="deadline"):
             async with asyncio.timeout(30):  # the test's own guard: never hang
-                async for _ in eng.generate("late", prompt, params, deadline=time.time() + 0.5):
-                    got += 1
-        assert got > 0  # outputs came before the deadline, then it ended the stream
+                async for _ in agen:
+                    pass
+        await stall
         await eng.call(lambda: None)  # the abort command has run
         assert eng.engine.block_manager.num_free_blocks == free0
         assert not eng.engine.has_unfinished_requests()
