@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 
 from gateway.config import GatewayConfig
+from launch.localstack import ServerProcess, start_nats, start_redis
 from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pbg
 from services.config import EngineConfig
-from services.localstack import ServerProcess, start_nats, start_redis
 from tests.helpers.fleet import ProcessFleet, Worker, fail_message, text_fleet_env
 from tests.integration.stack import service_config, start_gateway
 

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-
-def pct(values: list[float], q: float) -> float:
-    """Percentile with linear interpolation (q in 0..100)."""
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+from services.stats import percentile as pct
 
 
 def report_latency(

@@ -14,7 +14,7 @@ from typing import Any
 
 from _peers_cases import Case
 
-from services.bench.cli import add_bench_parser, bench_serve
+from launch.bench.cli import add_bench_parser, bench_serve
 
 
 def bench_args(base_url: str, model: str, flags: tuple[str, ...], seed: int,

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.localstack import free_port
+from launch.localstack import free_port
 
 log = logging.getLogger("serving_peers")
 HOST = "127.0.0.1"
@@ -57,7 +57,7 @@ def epd_system(name: str, model_dir: Path, threads: int, aggregated: bool,
                extra: list[str] | None = None) -> System:  # fmt: skip
     """``epd up`` (``--aggregated``: one ``serve all`` process) on private NATS / Redis ports."""
     port = free_port(HOST)
-    argv = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "up",
+    argv = [sys.executable, "-m", "launch.cli", "--log-level", "WARNING", "up",
             "--model", str(model_dir), "--host", HOST, "--http-port", str(port),
             "--grpc-port", str(free_port(HOST)),
             "--nats-url", f"nats://{HOST}:{free_port(HOST)}",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from _spec_heads import target_rows
 
-from services.engine.spec_proposer import ProposeInput
+from services.engine.spec.proposer import ProposeInput
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.localstack import ServerProcess, free_port, start_nats, start_redis
+from launch.localstack import ServerProcess, free_port, start_nats, start_redis
 
 HOST = "127.0.0.1"
 
@@ -59,7 +59,7 @@ class Fleet:
         assert self.nats is not None and self.redis is not None, "start_servers() first"
         grpc_port = free_port(HOST)
         self.http_ports[instance] = free_port(HOST)
-        argv = [sys.executable, "-m", "services.cli", "--log-level", log_level, "serve", role,
+        argv = [sys.executable, "-m", "launch.cli", "--log-level", log_level, "serve", role,
                 "--model", "demo", "--nats-url", self.nats.url, "--redis-url", self.redis.url,
                 "--instance-id", instance, "--grpc-port", str(grpc_port),
                 "--http-port", str(self.http_ports[instance])]  # fmt: skip

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.localstack import free_port, start_nats, start_redis  # noqa: E402
+from launch.localstack import free_port, start_nats, start_redis  # noqa: E402
 
 
 def _rss_mb(pid: int) -> float:
@@ -38,7 +38,7 @@ def _rss_mb(pid: int) -> float:
 
 def one(checkout: Path, nats_url: str, redis_url: str) -> tuple[float, float]:
     port = free_port("127.0.0.1")
-    argv = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "gateway",
+    argv = [sys.executable, "-m", "launch.cli", "--log-level", "WARNING", "serve", "gateway",
             "--nats-url", nats_url, "--redis-url", redis_url, "--http-port", str(port),
             "--grpc-port", str(free_port("127.0.0.1"))]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(checkout)}

@@ -239,8 +239,8 @@ def scale(entries: int) -> None:
 
 async def _redis_bytes(n: int = 20_000) -> None:
     from cache_svc.answers import AnswerStore
+    from launch.localstack import start_redis
     from protos.epd_pb import bus_pb2
-    from services.localstack import start_redis
 
     with start_redis() as server:
         store = AnswerStore(server.url)

@@ -35,7 +35,7 @@ from _spec_heads import HeadRecipe, build_pool, new_head, train_head  # noqa: E4
 from _spec_offline import references, replay  # noqa: E402
 from _spec_train import CACHE, build_target, stdlib_files  # noqa: E402
 
-from services.engine.spec_eagle import Eagle3Proposer  # noqa: E402
+from services.engine.spec.eagle import Eagle3Proposer  # noqa: E402
 from services.models.eagle3 import Eagle3Head  # noqa: E402
 
 log = logging.getLogger("bench.spec")
@@ -102,7 +102,7 @@ def offline_table(target_dir: Path, heads: dict, prompts, new: int) -> list[dict
 
 
 def _proposers(heads: dict, target_config) -> dict:
-    from services.engine.spec_ngram import NgramProposer
+    from services.engine.spec.ngram import NgramProposer
 
     def eagle(kind: str, parallel: bool):
         return lambda: Eagle3Proposer(Eagle3Head.from_pretrained(heads[kind]), parallel)

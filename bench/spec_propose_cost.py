@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine.spec_eagle import Eagle3Proposer
-from services.engine.spec_proposer import ProposeInput
+from services.engine.spec.eagle import Eagle3Proposer
+from services.engine.spec.proposer import ProposeInput
 from services.kernels.cpu_backend import CpuBackend
 from services.models.eagle3 import Eagle3Head
 

@@ -7,8 +7,9 @@ bfloat16 on oneDNN where the CPU has bfloat16 dot products (AMX tiles or AVX512_
 "auto"), else in float32 on the engine's native CPU GEMV when its kernels build here
 (torch's otherwise).
 
-``SentenceBatcher`` batches concurrent lookups: texts that arrive while a batch runs go
-together in the next one, in a worker thread (the event loop keeps serving the bus).
+``SentenceBatcher`` batches concurrent lookups (services/microbatch.py: texts that arrive
+while a batch runs go together in the next one, in a worker thread) and keeps the
+recent texts' vectors.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cache_svc.config import EMBED_DTYPES
 from cache_svc.minilm import DenseMaker, LeanBert, bf16_dense, fp32_dense
 from services.kernels.cpu_backend import CpuBackend
 from services.kernels.cpu_head import has_native_bf16
+from services.microbatch import MicroBatcher
 from services.models.weight_layout import column_major_linears
 
 DIM = 384
@@ -79,9 +81,7 @@ class SentenceBatcher:
 
     def __init__(self, embedder: SentenceEmbedder, max_batch: int = 64, recent: int = 1024):
         self.embedder = embedder
-        self.max_batch = max_batch
-        self._pending: list[tuple[str, asyncio.Future]] = []
-        self._busy = False
+        self._batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(embedder, max_batch=max_batch)
         self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
         self._recent_max = recent
         self._inflight: dict[str, asyncio.Future] = {}
@@ -120,28 +120,4 @@ class SentenceBatcher:
         return vec
 
     async def _embed(self, text: str) -> np.ndarray:
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((text, fut))
-        if not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().create_task(self._run())
-        return await fut
-
-    async def _run(self) -> None:
-        try:
-            while self._pending:
-                batch = self._pending[: self.max_batch]
-                self._pending = self._pending[self.max_batch :]
-                try:
-                    vectors = await asyncio.to_thread(self.embedder, [t for t, _ in batch])
-                except Exception as e:  # every waiter learns why
-                    vectors = [e] * len(batch)
-                for (_, fut), vec in zip(batch, vectors, strict=True):
-                    if fut.done():
-                        continue
-                    if isinstance(vec, Exception):
-                        fut.set_exception(vec)
-                    else:
-                        fut.set_result(vec)
-        finally:
-            self._busy = False
+        return await self._batcher.submit(text)

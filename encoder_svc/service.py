@@ -1,7 +1,7 @@
 """The encoder service: vision tower + projector, embeddings written to Redis.
 
-Takes ``epd.encode.<model>`` requests in a queue group (any replica may answer), and on
-``epd.encoder.<fp>.<id>`` those whose image was sent ahead to this instance's blob inbox. A
+Takes the images the gateway's router assigns it on ``epd.encoder.<fp>.<id>`` (inline, or
+sent ahead to this instance's blob inbox when too large for one message). A
 repeated image costs one Redis GET; concurrent requests for the same image encode it
 once. When Redis cannot hold an embedding, it goes to the request's prefill instance as
 a blob (services/bus/blobs.py). An in-process LRU behind Redis keeps a repeat from being
@@ -15,14 +15,6 @@ import logging
 
 import torch
 
-from cache_svc.embedding_lru import DEFAULT_BYTES, EmbeddingLRU
-from cache_svc.embedding_store import (
-    EmbeddingStore,
-    EmbeddingStoreConfig,
-    embedding_key,
-    pack_embedding,
-)
-from encoder_svc.batcher import EncodeBatcher
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.blobs import BlobInbox, send_blob
@@ -31,15 +23,24 @@ from services.bus.errors import BusError
 from services.bus.handlers import Incoming
 from services.bus.heartbeat import Load
 from services.config import EngineConfig, ServiceConfig
+from services.embeddings.lru import DEFAULT_BYTES, EmbeddingLRU
+from services.embeddings.store import (
+    EmbeddingStore,
+    EmbeddingStoreConfig,
+    embedding_key,
+    pack_embedding,
+)
 from services.images import ImageError, ImagePreprocessor, decode_image, image_hash
 from services.metrics import (
     EMBEDDING_CACHE_BYTES,
     EMBEDDING_CACHE_HITS,
     EMBEDDING_CACHE_MISSES,
     EMBEDDING_SINGLEFLIGHT_JOINS,
+    ENCODE_BATCH,
     ENCODE_SECONDS,
     IMAGES_ENCODED,
 )
+from services.microbatch import MicroBatcher
 from services.models.factory import load_vision_encoder
 from services.observability import bind_request
 from services.service import Service
@@ -71,8 +72,12 @@ class EncoderService(Service):
         # (heartbeat steps), and a pass of 16 ViT-B/16 images takes ~10 s on one core,
         # for little more throughput than 4 at a time. A GPU batch is fast either way.
         cpu = torch.device(self.model.device).type == "cpu"
-        self.batcher = EncodeBatcher(self._encode_batch, self.config.encode_batch_window_ms / 1e3,
-                                     max_batch=4 if cpu else 32)  # fmt: skip
+        self.batcher = MicroBatcher(
+            self._encode_batch,
+            max_batch=4 if cpu else 32,
+            window_s=self.config.encode_batch_window_ms / 1e3,
+            observe=ENCODE_BATCH.observe,
+        )
         self.store = EmbeddingStore.from_config(
             EmbeddingStoreConfig(url=self.config.redis_url, ttl_s=self.config.embedding_ttl_s)
         )
@@ -80,9 +85,6 @@ class EncoderService(Service):
     async def register(self) -> None:
         self.blobs = BlobInbox(self.bus, self.instance_id, self.config.max_blob_mb << 20)
         await self.blobs.start()
-        # Any replica may take an image: the drain leaves the queue group to the others.
-        await self.serve_work(subjects.encode(self.fingerprint), self._on_encode,
-                              queue=subjects.QUEUE_ENCODE)  # fmt: skip
         # The image was sent ahead to this instance: refused while draining.
         await self.serve_work(subjects.encoder(self.fingerprint, self.instance_id), self._on_encode,
                               bus_pb2.EncodeReply)  # fmt: skip

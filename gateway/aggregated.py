@@ -14,15 +14,16 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
-from encoder_svc.batcher import EncodeBatcher
 from gateway.events import BackendError, TokenEvent, events_from_output
 from gateway.image_embeddings import ImageEmbeddings
 from gateway.prepare import PreparedRequest
 from services import metrics
+from services.embeddings.store import EmbeddingStore, EmbeddingStoreConfig
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.parallel_sampling import child_request_id
 from services.images import decode_image
+from services.metrics import ENCODE_BATCH
+from services.microbatch import MicroBatcher
 
 
 class AggregatedBackend:
@@ -35,7 +36,7 @@ class AggregatedBackend:
         self.engine = engine
         self.instance_id = instance_id
         lm = engine.engine.loaded
-        self.tower = EncodeBatcher(engine.engine.encode_images)
+        self.tower = MicroBatcher(engine.engine.encode_images, observe=ENCODE_BATCH.observe)
         self._store = EmbeddingStore.from_config(store) if store is not None else None
         self.images = ImageEmbeddings(self._encode, self._store, lm.fingerprint,
                                       lm.text_config.hidden_size, lm.dtype)  # fmt: skip

@@ -120,8 +120,8 @@ class Gateway(Service):
 
     def _backend(self, engine_config: EngineConfig):
         if self.aggregated:
-            from cache_svc.embedding_store import EmbeddingStoreConfig
             from gateway.aggregated import AggregatedBackend
+            from services.embeddings.store import EmbeddingStoreConfig
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
 

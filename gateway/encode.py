@@ -23,7 +23,6 @@ import logging
 import time
 import uuid
 
-from cache_svc.keys import embedding_key
 from gateway.attempt import RETRYABLE, WorkerLost, WorkerWatch, while_alive
 from gateway.events import BackendError
 from gateway.prepare import PreparedRequest
@@ -33,6 +32,7 @@ from services.bus import subjects
 from services.bus.blobs import fits_inline, send_blob
 from services.bus.connection import Bus
 from services.bus.errors import BusError, BusTimeout
+from services.embeddings.keys import embedding_key
 from services.metrics import MIGRATIONS
 from services.wire import STATUS
 

@@ -2,7 +2,7 @@
 
 The aggregated server used to run the vision tower on every image of every request. Here
 each image's embedding is looked up first in a small LRU, then in the same Redis store
-the encoder service fills (``cache_svc/embedding_store.py``, key
+the encoder service fills (``services/embeddings/store.py``, key
 ``epd:emb:<model-fingerprint>:<image-sha256>``), so a fleet and an aggregated server on
 one Redis share their work. Only a miss in both runs the tower. Redis unavailable, slow
 or holding a wrong-shaped value is a miss (every Redis call has the store's timeout),
@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from cache_svc.embedding_lru import DEFAULT_BYTES, EmbeddingLRU
-from cache_svc.embedding_store import EmbeddingStore
+from services.embeddings.lru import DEFAULT_BYTES, EmbeddingLRU
+from services.embeddings.store import EmbeddingStore
 from services.engine.request import ImageSpan
 from services.metrics import (
     EMBEDDING_CACHE_BYTES,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig, unpack_embedding
 from prefill_svc.handoff import HandOff, first_token_update
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
@@ -18,6 +17,7 @@ from services.bus.blobs import BlobInbox
 from services.bus.deadline import remaining_s, timeout_for
 from services.bus.errors import BusError
 from services.config import EngineConfig, ServiceConfig
+from services.embeddings.store import EmbeddingStore, EmbeddingStoreConfig, unpack_embedding
 from services.engine.llm_engine import LLMEngine
 from services.engine_service import EngineService
 from services.kv_connector import NatsKVSender

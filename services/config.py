@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.bus.auth import NatsAuth, take_url_credentials
-from services.engine.spec_config import SpeculativeConfig
+from services.engine.spec.config import SpeculativeConfig
 from services.redis_client import check_redis_url
 from services.urls import redact
 
@@ -123,7 +123,7 @@ class EngineConfig(FromEnv):
     packed_weights_mb: int = 4096
     # Seed for dummy weights and for requests that bring no seed of their own.
     seed: int = 0
-    # Speculative decoding (services/engine/spec_config.py): a SpeculativeConfig, a dict
+    # Speculative decoding (services/engine/spec/config.py): a SpeculativeConfig, a dict
     # or a JSON string (EPD_SPECULATIVE_CONFIG, --speculative-config); None: off.
     speculative_config: Any = None
 

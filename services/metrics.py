@@ -60,7 +60,7 @@ ENGINE_CACHED_TOKENS = Counter("epd_engine_prefix_cache_hit_tokens_total",
                                "(hit rate = this / epd_engine_prompt_tokens_total)")  # fmt: skip
 ENGINE_GENERATED_TOKENS = Counter("epd_engine_generated_tokens_total", "Tokens sampled")
 PREEMPTIONS = Counter("epd_engine_preemptions_total", "Requests preempted (recomputed later)")
-# Speculative decoding (services/engine/spec_metrics.py). Mean acceptance length =
+# Speculative decoding (services/engine/spec/metrics.py). Mean acceptance length =
 # (accepted + verifications) / verifications; acceptance at draft position i =
 # accepted_by_position{i} / drafts_by_position{i}.
 SPEC_VERIFICATIONS = Counter("epd_spec_verifications_total",
@@ -132,7 +132,7 @@ ROUTER_RELOADS = Counter("epd_router_config_reloads_total",
 # -- bus --------------------------------------------------------------------------------
 BUS_REQUEST_SECONDS = Histogram("epd_bus_request_seconds",
                                 "Round trip of one bus request, by the subject's first two "
-                                "tokens (epd.prefill, epd.encode, ...)", ["subject"],
+                                "tokens (epd.prefill, epd.encoder, ...)", ["subject"],
                                 buckets=_LATENCY)  # fmt: skip
 
 

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.stats import percentile
+
 # The cache outcomes a request can have here ("off": this gateway has no response cache).
 CACHE_OUTCOMES = ("hit-exact", "hit-semantic", "miss", "off")
 PERCENTILES = (50, 90, 99)
@@ -35,12 +37,10 @@ class _Bucket:
 
 
 def percentiles(samples: Sequence[float]) -> dict[str, float] | None:
-    """Nearest-rank p50/p90/p99 of ``samples`` (None when there are none)."""
+    """p50/p90/p99 of ``samples`` (None when there are none)."""
     if not samples:
         return None
-    ordered = sorted(samples)
-    n = len(ordered)
-    return {f"p{p}": ordered[max(0, math.ceil(p / 100 * n) - 1)] for p in PERCENTILES}
+    return {f"p{p}": percentile(samples, p) for p in PERCENTILES}
 
 
 class RollingStats:

@@ -1,10 +1,9 @@
 """Every NATS subject and queue group used by epd-serve, in one place.
 
 Several models share one bus, so every work subject names the model (its fingerprint):
-work any replica of a model may take goes to a shared subject with a queue group
-(``epd.encode.<fp>``); work the router assigns goes to a per-instance subject under the
-model (``epd.prefill.<fp>.<id>``, ``epd.decode.<fp>.<id>``, ``epd.encoder.<fp>.<id>``), so
-a request can only reach an instance of its model, whatever the instance ids. The
+work the router assigns goes to a per-instance subject under the model
+(``epd.prefill.<fp>.<id>``, ``epd.decode.<fp>.<id>``, ``epd.encoder.<fp>.<id>``), so a
+request can only reach an instance of its model, whatever the instance ids. The
 semantic cache (``epd.cache.*``) is shared: its entries carry the answering model's
 fingerprint. Payloads too large for
 a message arrive chunked on one per-instance subject (``epd.kv.<id>`` for KV blocks,
@@ -34,7 +33,6 @@ CACHE_STORE: Final = f"{PREFIX}.cache.store"
 ABORT: Final = f"{PREFIX}.abort"
 
 # Queue groups: one delivery per group, spread over the replicas.
-QUEUE_ENCODE: Final = "epd-encode"
 QUEUE_CACHE: Final = "epd-cache"
 
 # One subject token: no dots, wildcards or whitespace.
@@ -67,12 +65,6 @@ def prefill(model_fingerprint: str, instance_id: str) -> str:
 def decode(model_fingerprint: str, instance_id: str) -> str:
     """Subject of one decode instance of a model: ``epd.decode.<fp>.<id>``."""
     return f"{PREFIX}.decode.{_scoped(model_fingerprint, instance_id)}"
-
-
-def encode(model_fingerprint: str) -> str:
-    """Subject every encoder of one model takes work from (queue group QUEUE_ENCODE):
-    ``epd.encode.<fingerprint>``, so encoders of other models on the bus never see it."""
-    return f"{PREFIX}.encode.{check_token(model_fingerprint, 'model fingerprint')}"
 
 
 def encoder(model_fingerprint: str, instance_id: str) -> str:

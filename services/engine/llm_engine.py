@@ -20,7 +20,7 @@ from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.scheduler_config import SchedulerConfig
-from services.engine.spec_decoding import SpecDecoding
+from services.engine.spec.decoding import SpecDecoding
 from services.engine.step_metrics import observe_scheduled, observe_step
 from services.images import ImagePreprocessor
 from services.kernels.backend import get_backend

@@ -9,7 +9,7 @@ import torch
 from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
 from services.engine.sampler import sample
-from services.engine.spec_verify import num_accepted, verify_rows
+from services.engine.spec.verify import num_accepted, verify_rows
 from services.engine.step_meta import (
     attn_meta,
     next_decode_meta,
@@ -174,7 +174,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_verify(self, scheduled) -> VerifyOutput:
-        """A step whose requests may carry drafts (spec_verify.py): each sampling request
+        """A step whose requests may carry drafts (spec/verify.py): each sampling request
         emits its accepted drafts and the target's token; aux rows of the accepted
         positions are kept for the proposer."""
         out = VerifyOutput({}, {})

@@ -16,7 +16,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler_config import SchedulerConfig
 from services.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from services.engine.spec_rollback import settle_step
+from services.engine.spec.rollback import settle_step
 from services.engine.stopping import stop_status
 
 
@@ -230,7 +230,7 @@ class Scheduler:
         self, output: SchedulerOutput, sampled: Mapping[str, list[int]]
     ) -> tuple[list[Request], dict[str, list[int]]]:
         """Apply a step that emits several tokens per request: a burst (``num_steps``
-        tokens each) or a verification of drafts (spec_rollback.py).
+        tokens each) or a verification of drafts (spec/rollback.py).
 
         ``sampled`` maps each sampling request to the tokens it emits: a burst's tokens,
         or its accepted drafts then the target's own token. Tokens count one by one (a

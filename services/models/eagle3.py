@@ -9,7 +9,7 @@ target ids by ``d2t`` (an offset per draft id: target = draft + d2t[draft]). P-E
 2..K, used with the embedding of ``mask_token_id``.
 
 Parameter names are Speculators' own, so ``state_dict`` is the checkpoint. The draft
-layer's KV is the caller's (dense, per request: spec_eagle.py); this module is pure math
+layer's KV is the caller's (dense, per request: spec/eagle.py); this module is pure math
 over ``[B, T, ...]`` rows with an explicit boolean attention mask.
 """
 

@@ -1,6 +1,6 @@
 """A checkpoint's fingerprint: what every service and gateway agree a model is.
 
-It names the model on the bus (``epd.encode.<fp>``, heartbeats) and keys the caches
+It names the model on the bus (``epd.encoder.<fp>.<id>``, heartbeats) and keys the caches
 (``epd:emb:<fp>:<image>``, the semantic cache), so two checkpoints of one shape with
 different weights (two fine-tunes) must differ, and one checkpoint copied to another
 host or folder must not. The weights' content is covered without reading all of it:

@@ -27,8 +27,8 @@ from cache_svc.config import SemanticCacheConfig
 from cache_svc.service import CacheService
 from gateway.dashboard.fleet import FleetView
 from gateway.rest.app import build_app
+from launch.localstack import start_nats, start_redis
 from services.config import EngineConfig
-from services.localstack import start_nats, start_redis
 from tests.integration.stack import service_config, start_aggregated, start_disaggregated
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from services.localstack import free_port
-from services.stack import wait_for_grpc
+from launch.localstack import free_port
+from launch.stack import wait_for_grpc
 
 READY_LINE = "epd-serve is up"  # the first line of the block `epd up` prints when healthy
 
@@ -89,7 +89,7 @@ def epd_up(demo_dir: Path, *args: str, env: dict | None = None, ready_s: float =
     nats_url = f"nats://127.0.0.1:{nats_port}"
     nats_auth = f"{nats_userinfo}@" if nats_userinfo else ""
     redis_auth = f":{redis_password}@" if redis_password else ""
-    argv = [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(grpc_port),
+    argv = [sys.executable, "-m", "launch.cli", "up", "--grpc-port", str(grpc_port),
             "--http-port", str(http_port), "--nats-url", f"nats://{nats_auth}127.0.0.1:{nats_port}",
             "--redis-url", f"redis://{redis_auth}127.0.0.1:{redis_port}/0", *args]  # fmt: skip
     full_env = dict(os.environ, EPD_DEMO_DIR=str(demo_dir), **(env or {}))

@@ -56,7 +56,7 @@ class ProcessFleet:
             **self.env,
             **env,
         }
-        argv = [sys.executable, "-m", "services.cli", "serve", role, "--nats-url",
+        argv = [sys.executable, "-m", "launch.cli", "serve", role, "--nats-url",
                 self.nats_url, "--redis-url", self.redis_url, "--instance-id", instance_id]  # fmt: skip
         log = self.log_dir / f"{instance_id}.log"
         with open(log, "wb") as out:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.spec_proposer import ProposeInput
+from services.engine.spec.proposer import ProposeInput
 
 
 class OracleProposer:

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from launch.localstack import ServerProcess, start_nats, start_redis
 from services.bus.connection import Bus, BusConfig
-from services.localstack import ServerProcess, start_nats, start_redis
 
 SMALL_MAX_PAYLOAD = 64 * 1024
 

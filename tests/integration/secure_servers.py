@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.localstack import ServerProcess, find_redis_server, free_port
+from launch.localstack import ServerProcess, find_redis_server, free_port
 
 
 @dataclass(frozen=True)

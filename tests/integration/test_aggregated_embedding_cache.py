@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_svc.embedding_store import EmbeddingStoreConfig, pack_embedding
-from cache_svc.keys import embedding_key
 from gateway.aggregated import AggregatedBackend
 from gateway.prepare import PreparedRequest, RequestPreparer
 from services.config import EngineConfig
+from services.embeddings.keys import embedding_key
+from services.embeddings.store import EmbeddingStoreConfig, pack_embedding
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
 from services.models.info import ModelInfo

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.bench.datasets import make_requests
-from services.cli import build_parser
+from launch.bench.datasets import make_requests
+from launch.cli import build_parser
 
 TTFT_S, GAP_S = 0.050, 0.020
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from launch.localstack import free_port, start_nats
 from protos.epd_pb import bus_pb2
 from services.bus.connection import Bus, BusConfig, Incoming
 from services.bus.errors import BusTimeout, BusUnavailable, NoResponders, RemoteError
-from services.localstack import free_port, start_nats
 from tests.integration.conftest import BusFactory
 
 

@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from decode_svc.service import DecodeService
+from launch.localstack import ServerProcess, free_port, start_nats, start_redis
 from prefill_svc.service import PrefillService
 from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pbg
 from services.config import EngineConfig
-from services.localstack import ServerProcess, free_port, start_nats, start_redis
 from services.metrics import MIGRATIONS
 from tests.helpers.checkpoints import make_text_checkpoint, random_image
 from tests.integration.stack import service_config, start_disaggregated, start_gateway

@@ -27,7 +27,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig, pack_embedding
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
 from services.bus import subjects
@@ -37,6 +36,7 @@ from services.bus.codec import dtype_name
 from services.bus.connection import Bus, BusConfig
 from services.bus.messages import encode
 from services.config import EngineConfig
+from services.embeddings.store import EmbeddingStore, EmbeddingStoreConfig, pack_embedding
 from services.image_checks import image_hash
 from services.kv_connector import NatsKVSender
 from services.metrics import DROPPED_UPDATES

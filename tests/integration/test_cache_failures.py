@@ -13,8 +13,8 @@ import pytest_asyncio
 
 from cache_svc.config import SemanticCacheConfig
 from cache_svc.service import CacheService
+from launch.localstack import start_redis
 from services.config import EngineConfig
-from services.localstack import start_redis
 from services.metrics import GATEWAY_CACHE
 from tests.helpers.checkpoints import random_image
 from tests.integration.stack import service_config, start_disaggregated

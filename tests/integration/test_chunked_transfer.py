@@ -14,12 +14,12 @@ import weakref
 
 import pytest
 
+from launch.localstack import ServerProcess
 from protos.epd_pb import bus_pb2
 from services.bus.chunk_receiver import ChunkReceiver
 from services.bus.chunked import INITIAL_CREDIT, NatsChunkSender, send_chunked
 from services.bus.connection import Bus, Incoming
 from services.bus.errors import NoResponders, TransferError, TransferTimeout
-from services.localstack import ServerProcess
 from tests.integration.conftest import SMALL_MAX_PAYLOAD, BusFactory
 
 SUBJECT = "epd.kv.test"

@@ -30,7 +30,7 @@ def _spawn_decode(engine: EngineConfig, nats_url: str, redis_url: str, iid: str,
     env = dict(os.environ, EPD_MODEL="demo", EPD_DEMO_DIR=engine.demo_dir,
                EPD_NUM_KV_BLOCKS=str(engine.num_kv_blocks), EPD_HEARTBEAT_S="0.2",
                EPD_SHUTDOWN_GRACE_S="60")  # fmt: skip
-    argv = [sys.executable, "-m", "services.cli", "serve", "decode", "--nats-url", nats_url,
+    argv = [sys.executable, "-m", "launch.cli", "serve", "decode", "--nats-url", nats_url,
             "--redis-url", redis_url, "--instance-id", iid]  # fmt: skip
     with open(log, "wb") as out:
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig, embedding_key
-from services.localstack import ServerProcess, free_port, start_redis
+from launch.localstack import ServerProcess, free_port, start_redis
+from services.embeddings.store import EmbeddingStore, EmbeddingStoreConfig, embedding_key
 from services.singleflight import SingleFlight
 
 FP = "demo-vit.v1"

@@ -12,9 +12,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from launch.localstack import free_port
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
-from services.localstack import free_port
 from tests.helpers.checkpoints import random_image
 from tests.integration.stack import start_disaggregated
 

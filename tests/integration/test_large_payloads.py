@@ -12,9 +12,9 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
+from launch.localstack import free_port
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
-from services.localstack import free_port
 from services.metrics import IMAGES_ENCODED
 from tests.helpers.checkpoints import make_llava_checkpoint
 from tests.integration.stack import start_aggregated, start_disaggregated

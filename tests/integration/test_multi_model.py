@@ -22,13 +22,13 @@ import pytest_asyncio
 from decode_svc.service import DecodeService
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
+from launch.localstack import free_port
 from prefill_svc.service import PrefillService
 from protos.epd_pb import inference_pb2 as pb
 from protos.epd_pb import inference_pb2_grpc as pbg
 from services import LLM, SamplingParams
 from services.bus import subjects
 from services.config import EngineConfig, ServiceConfig
-from services.localstack import free_port
 from tests.helpers.checkpoints import make_text_checkpoint
 from tests.helpers.fleet import ProcessFleet, Worker, fail_message, text_fleet_env
 from tests.integration.stack import NO_CACHE, service_config

@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_svc.service import DecodeService
 from encoder_svc.service import EncoderService
 from gateway.app import Gateway
+from launch.localstack import ServerProcess, start_nats, start_redis
 from prefill_svc.service import PrefillService
 from services.config import EngineConfig
-from services.localstack import ServerProcess, start_nats, start_redis
 from services.observability import ObservabilityConfig, make_handler
 from tests.integration.stack import service_config, start_gateway
 

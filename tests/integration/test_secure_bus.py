@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from launch.localstack import ServerProcess, start_nats
 from protos.epd_pb import bus_pb2
 from services.bus.auth import NatsAuth
 from services.bus.connection import Bus, BusConfig, Incoming
 from services.bus.errors import BusUnavailable
 from services.config import ServiceConfig
-from services.localstack import ServerProcess, start_nats
 from services.runtime import connect_bus
 from tests.integration.secure_servers import Pki, make_pki
 

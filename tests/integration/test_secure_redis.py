@@ -16,10 +16,10 @@ import torch
 from redis.exceptions import AuthenticationError, ConnectionError
 
 from cache_svc.answers import AnswerStore
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
 from cache_svc.index import DIM
+from launch.localstack import ServerProcess, start_redis
 from services.config import ServiceConfig
-from services.localstack import ServerProcess, start_redis
+from services.embeddings.store import EmbeddingStore, EmbeddingStoreConfig
 from services.redis_client import redis_client
 from tests.integration.secure_servers import Pki, make_pki, server_context, start_sentinel
 from tests.integration.secure_servers import tls_front as tls_front_for

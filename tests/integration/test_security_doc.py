@@ -19,13 +19,13 @@ import torch
 from redis.exceptions import NoPermissionError
 
 from cache_svc.answers import AnswerStore
-from cache_svc.embedding_store import EmbeddingStore, EmbeddingStoreConfig
 from cache_svc.index import DIM
+from launch.localstack import ServerProcess, start_nats, start_redis
 from protos.epd_pb import bus_pb2
 from services.bus import subjects
 from services.bus.auth import NatsAuth
 from services.bus.connection import Bus, BusConfig, Incoming
-from services.localstack import ServerProcess, start_nats, start_redis
+from services.embeddings.store import EmbeddingStore, EmbeddingStoreConfig
 from services.redis_client import redis_client
 from tests.integration.secure_servers import Pki, make_pki
 
@@ -35,12 +35,12 @@ FP, ID = "fp0123", "x-1"
 
 # role -> (may publish, may subscribe); the doc's table, written with subjects.py.
 ALLOWED = {
-    "gateway": ([subjects.encode(FP), subjects.encoder(FP, ID), subjects.blob(ID),
+    "gateway": ([subjects.encoder(FP, ID), subjects.blob(ID),
                  subjects.prefill(FP, ID), subjects.CACHE_LOOKUP, subjects.CACHE_STORE,
                  subjects.ABORT, subjects.heartbeat("gateway", ID)],
                 [subjects.out(ID), subjects.heartbeat_wildcard("decode"), "_INBOX.abc.*"]),
     "encoder": ([subjects.blob(ID), subjects.heartbeat("encode", ID)],
-                [subjects.encode(FP), subjects.encoder(FP, ID), subjects.blob(ID)]),
+                [subjects.encoder(FP, ID), subjects.blob(ID)]),
     "prefill": ([subjects.decode(FP, ID), subjects.kv(ID), subjects.out(ID),
                  subjects.heartbeat("prefill", ID)],
                 [subjects.prefill(FP, ID), subjects.blob(ID), subjects.ABORT]),

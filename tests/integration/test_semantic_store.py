@@ -13,9 +13,9 @@ import pytest_asyncio
 from cache_svc.answers import AnswerStore
 from cache_svc.config import SemanticCacheConfig
 from cache_svc.semantic import SemanticCache
+from launch.localstack import free_port, start_redis
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
-from services.localstack import free_port, start_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

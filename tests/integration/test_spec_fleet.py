@@ -13,7 +13,7 @@ import torch
 
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
-from services.engine.spec_decoding import SpecDecoding
+from services.engine.spec.decoding import SpecDecoding
 from services.llm import LLM
 from services.sampling_params import SamplingParams
 from tests.helpers.spec_proposers import RecordingProposer

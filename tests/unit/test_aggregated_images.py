@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
-from cache_svc.embedding_lru import EmbeddingLRU
-from cache_svc.embedding_store import EmbeddingStoreConfig
 from gateway.aggregated import AggregatedBackend
 from gateway.prepare import PreparedRequest, RequestPreparer
+from launch.localstack import free_port
 from services.config import EngineConfig
+from services.embeddings.lru import EmbeddingLRU
+from services.embeddings.store import EmbeddingStoreConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.llm_engine import LLMEngine
-from services.localstack import free_port
 from services.models.info import ModelInfo
 from services.sampling_params import SamplingParams
 from services.tokenization import load_tokenizer

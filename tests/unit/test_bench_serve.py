@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from services.bench.client import DONE, RequestRecord, build_payload, parse_sse_line, send_request
-from services.bench.datasets import chat_requests, make_requests, random_requests
-from services.bench.load import arrival_gaps, run_load
-from services.bench.metrics import parse_goodput, percentile, summarize
-from services.bench.report import format_table, result_document
-from services.cli import build_parser
+from launch.bench.client import DONE, RequestRecord, build_payload, parse_sse_line, send_request
+from launch.bench.datasets import chat_requests, make_requests, random_requests
+from launch.bench.load import arrival_gaps, run_load
+from launch.bench.metrics import parse_goodput, summarize
+from launch.bench.report import format_table, result_document
+from launch.cli import build_parser
+from services.stats import percentile
 
 URL = "http://bench.test/v1/chat/completions"
 
@@ -229,9 +230,9 @@ def test_cli_registers_bench_serve_and_the_report_has_no_nan() -> None:
 
 def test_bench_imports_no_torch() -> None:
     """The benchmark runs beside the torch-free gateway: importing it must not pull torch."""
-    code = ("import sys, services.cli, services.bench.cli, services.bench.client, "
-            "services.bench.load, services.bench.metrics, services.bench.report, "
-            "services.bench.run, services.bench.images, services.bench.paraphrase, "
-            "services.bench.plot; "
-            "services.cli.build_parser(); sys.exit('torch' in sys.modules)")  # fmt: skip
+    code = ("import sys, launch.cli, launch.bench.cli, launch.bench.client, "
+            "launch.bench.load, launch.bench.metrics, launch.bench.report, "
+            "launch.bench.run, launch.bench.images, launch.bench.paraphrase, "
+            "launch.bench.plot; "
+            "launch.cli.build_parser(); sys.exit('torch' in sys.modules)")  # fmt: skip
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

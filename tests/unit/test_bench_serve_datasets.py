@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 from PIL import Image
 
-from services.bench.client import RequestRecord, tag
-from services.bench.images import ImageOptions, parse_range, parse_size, random_mm_requests
-from services.bench.metrics import summarize
-from services.bench.paraphrase import kind_counts, load_pairs, paraphrase_requests, parse_mix
+from launch.bench.client import RequestRecord, tag
+from launch.bench.images import ImageOptions, parse_range, parse_size, random_mm_requests
+from launch.bench.metrics import summarize
+from launch.bench.paraphrase import kind_counts, load_pairs, paraphrase_requests, parse_mix
 
 
 def _images(req) -> list[str]:

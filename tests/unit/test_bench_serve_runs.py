@@ -17,10 +17,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from services.bench.load import arrival_gaps
-from services.bench.plot import plot_runs
-from services.bench.run import RunIO, bench_serve, bench_sweep
-from services.cli import build_parser
+from launch.bench.load import arrival_gaps
+from launch.bench.plot import plot_runs
+from launch.bench.run import RunIO, bench_serve, bench_sweep
+from launch.cli import build_parser
 
 TTFT, GAP, TAIL = 0.050, 0.020, 0.005
 

@@ -8,7 +8,6 @@ from services.bus import subjects
 
 
 def test_subject_names() -> None:
-    assert subjects.encode("4f5f881477c4651e") == "epd.encode.4f5f881477c4651e"
     assert subjects.cache("lookup") == subjects.CACHE_LOOKUP == "epd.cache.lookup"
     # Work the router assigns: under the model's fingerprint, then the instance.
     assert subjects.prefill("fp1", "p-0") == "epd.prefill.fp1.p-0"

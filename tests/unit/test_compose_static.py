@@ -20,8 +20,8 @@ import yaml
 
 from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
-from services.cli import build_parser
-from services.cli import main as cli_main
+from launch.cli import build_parser
+from launch.cli import main as cli_main
 from services.config import EngineConfig, ServiceConfig, env_overrides
 from services.observability import ObservabilityConfig
 

@@ -1,5 +1,5 @@
 """The dashboard's rolling window (gateway/dashboard/stats.py) on a fake clock: requests
-land in the right bucket, old buckets leave the window, percentiles are nearest-rank,
+land in the right bucket, old buckets leave the window, percentiles interpolate,
 cache outcomes and hit rate add up, samples per bucket stay bounded, and a closed
 bucket's summary does not change."""
 
@@ -22,11 +22,13 @@ def ok(stats: RollingStats, ttft: float = 0.1, tpot: float = 0.01, cache: str = 
     stats.observe(ttft_s=ttft, tpot_s=tpot, tokens=4, ok=True, cache=cache)
 
 
-def test_percentiles_are_nearest_rank():
+def test_percentiles_interpolate_like_the_benchmark_client():
     assert percentiles([]) is None
     assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
-    values = [float(v) for v in range(1, 101)]  # 1..100, shuffled order must not matter
+    values = [float(v) for v in range(0, 101)]  # 0..100, shuffled order must not matter
     assert percentiles(values[::-1]) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    got = percentiles([1.0, 2.0, 3.0, 4.0])  # between ranks: interpolated, not the nearest
+    assert got == pytest.approx({"p50": 2.5, "p90": 3.7, "p99": 3.97})
 
 
 def test_requests_land_in_their_bucket_and_the_window_is_dense():

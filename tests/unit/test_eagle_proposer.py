@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from services.engine.spec_eagle import Eagle3Proposer
-from services.engine.spec_proposer import ProposeInput, Proposer
+from services.engine.spec.eagle import Eagle3Proposer
+from services.engine.spec.proposer import ProposeInput, Proposer
 from services.models.eagle3 import Eagle3Head
 from services.models.eagle3_config import DraftHeadError
 from tests.helpers.checkpoints import make_text_checkpoint

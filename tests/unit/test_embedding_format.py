@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cache_svc.embedding_store import MAGIC, embedding_key, pack_embedding, unpack_embedding
+from services.embeddings.store import MAGIC, embedding_key, pack_embedding, unpack_embedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

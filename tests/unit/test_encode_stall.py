@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from encoder_svc.batcher import EncodeBatcher
 from gateway.attempt import WorkerLost, while_alive
 from gateway.encode import ImageEncoder
 from protos.epd_pb import bus_pb2
 from services.bus.heartbeat import InstanceRegistry
+from services.microbatch import MicroBatcher
 from tests.helpers.stall_watch import Clock, Watch
 
 STALL_S = 30.0
@@ -63,7 +63,7 @@ async def test_the_batcher_counts_its_passes_and_its_queue():
         asyncio.run_coroutine_threadsafe(release.wait(), loop).result()
         return [torch.zeros(1) for _ in images]
 
-    batcher = EncodeBatcher(encode)
+    batcher = MicroBatcher(encode)
     first = asyncio.ensure_future(batcher.submit("a"))
     await started.wait()  # "a" is in the tower: the next two queue behind it
     rest = [asyncio.ensure_future(batcher.submit(x)) for x in "bc"]

@@ -15,9 +15,9 @@ import pytest
 
 from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
-from services.cli import build_parser
+from launch.cli import build_parser
+from launch.config_docs import field_comments
 from services.config import EngineConfig, ServiceConfig
-from services.config_docs import field_comments
 from services.metrics import subject_kind
 from services.observability import (
     ObservabilityConfig,

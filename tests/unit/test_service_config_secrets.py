@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser, service_config
+from launch.cli import build_parser, service_config
 from services.config import ServiceConfig
 
 SECRET_FIELDS = ("nats_creds", "nats_nkey_seed", "nats_tls_ca", "nats_tls_cert", "nats_tls_key")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.config import EngineConfig
-from services.engine.spec_config import SpeculativeConfig
+from services.engine.spec.config import SpeculativeConfig
 
 
 def test_parse_dict_json_and_env(tmp_path, monkeypatch) -> None:
@@ -66,8 +66,8 @@ def test_eagle3_head_dir_accepted(tmp_path) -> None:
 def test_cli_flag_and_epd_up_environment(monkeypatch) -> None:
     """--speculative-config for serve decode|all and up; up hands it to its services
     as EPD_SPECULATIVE_CONFIG (JSON), which they parse back."""
-    from services.cli import build_parser, engine_config
-    from services.stack import _env
+    from launch.cli import build_parser, engine_config
+    from launch.stack import _env
 
     raw = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
     for argv in (["serve", "decode"], ["serve", "all"], ["up"]):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.spec_config import SpeculativeConfig
-from services.engine.spec_decoding import SpecDecoding
+from services.engine.spec.config import SpeculativeConfig
+from services.engine.spec.decoding import SpecDecoding
 from services.llm import LLM
 from services.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_text_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from services.engine.spec_metrics import SpecStats
+from services.engine.spec.metrics import SpecStats
 
 
 def _sample(name: str, position: str | None = None) -> float:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.engine.spec_ngram import NgramProposer
-from services.engine.spec_proposer import ProposeInput, Proposer
+from services.engine.spec.ngram import NgramProposer
+from services.engine.spec.proposer import ProposeInput, Proposer
 
 
 @pytest.mark.parametrize(

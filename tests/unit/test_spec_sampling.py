@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from services.engine.spec_config import SpeculativeConfig
-from services.engine.spec_decoding import SpecDecoding
+from services.engine.spec.config import SpeculativeConfig
+from services.engine.spec.decoding import SpecDecoding
 from services.llm import LLM
 from services.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_text_checkpoint

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-from services.stack import _stop_children
+from launch.stack import _stop_children
 
 
 class FakeChild:
@@ -62,7 +62,7 @@ def test_sigterm_asks_to_stop_without_taking_a_lock():
     import threading
     import time
 
-    from services.stack import _Stop
+    from launch.stack import _Stop
 
     stop = _Stop()
     old = signal.signal(signal.SIGTERM, stop.handler)

@@ -7,21 +7,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from services.bench.client import RequestRecord
+from launch.bench.client import RequestRecord
+from services.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "e2el")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile with linear interpolation (numpy's default); NaN when empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def stats_ms(values_s: Sequence[float]) -> dict[str, float]:

@@ -3,8 +3,8 @@ before each step, and records how many were accepted.
 
 Per step: every running request whose only uncomputed token is its newest one (a decode)
 gets up to ``k`` drafts (fewer near its ``max_tokens`` or context limit, so that all
-accepted tokens fit); the scheduler schedules them with that token (spec_rollback.py),
-the runner verifies them in one forward (``ModelRunner.execute_verify``, spec_verify.py).
+accepted tokens fit); the scheduler schedules them with that token (spec/rollback.py),
+the runner verifies them in one forward (``ModelRunner.execute_verify``, spec/verify.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request
 from services.engine.scheduler_output import SchedulerOutput
-from services.engine.spec_config import SpeculativeConfig
-from services.engine.spec_metrics import SpecStats
-from services.engine.spec_ngram import NgramProposer
-from services.engine.spec_proposer import ProposeInput, Proposer
+from services.engine.spec.config import SpeculativeConfig
+from services.engine.spec.metrics import SpecStats
+from services.engine.spec.ngram import NgramProposer
+from services.engine.spec.proposer import ProposeInput, Proposer
 from services.models.factory import LoadedModel
 
 
@@ -26,7 +26,7 @@ def make_proposer(config: SpeculativeConfig, loaded: LoadedModel, backend=None) 
     ValueError (at start-up). ``backend``: the target's kernels, which a head may use."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from services.engine.spec_eagle import Eagle3Proposer  # torch model code: on demand
+    from services.engine.spec.eagle import Eagle3Proposer  # torch model code: on demand
 
     try:
         return Eagle3Proposer.load(config.model, loaded.text_config, loaded.device,

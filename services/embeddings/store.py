@@ -23,8 +23,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from cache_svc.keys import embedding_key
 from services.bus.codec import DTYPES, MAX_NDIM, tensor_from_bytes, tensor_to_bytes
+from services.embeddings.keys import embedding_key
 from services.redis_client import check_redis_url, redis_client
 
 logger = logging.getLogger(__name__)

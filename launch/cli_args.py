@@ -1,5 +1,5 @@
 """The ``epd`` command's shared argument groups (engine, service, observability) and the
-epilog that lists every setting's environment variable; ``services.cli`` builds the parser
+epilog that lists every setting's environment variable; ``launch.cli`` builds the parser
 from them."""
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def observability_args(p: argparse.ArgumentParser, metrics: bool = True) -> None
 def epilog() -> str:
     from cache_svc.config import SemanticCacheConfig
     from gateway.config import GatewayConfig
+    from launch.config_docs import env_help
     from services.config import EngineConfig, ServiceConfig
-    from services.config_docs import env_help
     from services.observability import ObservabilityConfig
 
     blocks = [("engine", EngineConfig), ("service, bus and credentials", ServiceConfig),

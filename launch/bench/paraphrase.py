@@ -16,7 +16,7 @@ import random
 from functools import cache
 from importlib import resources
 
-from services.bench.datasets import BenchRequest
+from launch.bench.datasets import BenchRequest
 
 KINDS = ("repeat", "paraphrase", "negative")
 DEFAULT_MIX = "repeat:0.3,paraphrase:0.5,negative:0.2"
@@ -26,7 +26,7 @@ PAIRS_FILE = "paraphrase_pairs.jsonl"
 @cache
 def load_pairs() -> tuple[dict[str, str], ...]:
     """The shipped pairs (read once)."""
-    text = resources.files("services.bench").joinpath(PAIRS_FILE).read_text(encoding="utf-8")
+    text = resources.files("launch.bench").joinpath(PAIRS_FILE).read_text(encoding="utf-8")
     return tuple(json.loads(line) for line in text.splitlines() if line.strip())
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.spec_proposer import ProposeInput
+from services.engine.spec.proposer import ProposeInput
 from services.models.eagle3 import Eagle3Head
 from services.models.eagle3_config import DraftHeadError
 

@@ -101,16 +101,16 @@ def _caps(spec: str) -> list[int]:
 
 
 async def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    """One run of the flags; its result document (see ``services.bench.run``)."""
-    from services.bench.run import bench_serve as run
+    """One run of the flags; its result document (see ``launch.bench.run``)."""
+    from launch.bench.run import bench_serve as run
 
     return await run(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """``epd bench serve``: print the table(s), write the JSON and plots; 1 if all failed."""
-    from services.bench.report import format_table, write_json
-    from services.bench.run import bench_sweep
+    from launch.bench.report import format_table, write_json
+    from launch.bench.run import bench_sweep
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     sweeping = bool(args.sweep or args.sweep_concurrency)
@@ -123,7 +123,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         write_json(args.result_json, doc)
         print(f"result: {args.result_json}")
     if args.plot:
-        from services.bench.plot import plot_runs
+        from launch.bench.plot import plot_runs
 
         for path in plot_runs(doc, args.plot):
             print(f"plot: {path}")

@@ -13,7 +13,7 @@ import io
 import random
 from dataclasses import dataclass
 
-from services.bench.datasets import WORDS, BenchRequest, draw_length
+from launch.bench.datasets import WORDS, BenchRequest, draw_length
 
 FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg")}
 

@@ -3,7 +3,7 @@
 Shaped like vLLM's ``speculative_config``: a dict (or a JSON string, for the CLI's
 ``--speculative-config``) with ``method`` and ``num_speculative_tokens``. Checks that
 need the target model (the head's vocabulary and hidden size) run when the proposer is
-built (spec_decoding.py), still at start-up.
+built (spec/decoding.py), still at start-up.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Torch-free, like the scheduler that calls it. A step computed ``num_new_tokens`` tokens
 of the request; the last ``k`` of them were drafts. The tokens the request emits are the
-accepted drafts and then the target's own token (spec_verify.py); the KV of the request's
+accepted drafts and then the target's own token (spec/verify.py); the KV of the request's
 last known token and of the accepted drafts is valid, the rest is garbage in slots
 nobody reads. The request ends the step in exactly the state a run without drafts would
 have reached token by token: ``num_computed_tokens = num_tokens - 1``, blocks covering

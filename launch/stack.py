@@ -23,8 +23,8 @@ import time
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
+from launch.localstack import free_port, start_nats, start_redis
 from services.config import EngineConfig, ServiceConfig
-from services.localstack import free_port, start_nats, start_redis
 from services.models.info import ModelInfo
 from services.observability import ObservabilityConfig
 
@@ -50,7 +50,7 @@ def _env(*configs) -> dict[str, str]:
 
 def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict,
            metrics_port: int | None, model: str | None = None) -> subprocess.Popen:  # fmt: skip
-    argv = [sys.executable, "-m", "services.cli", "serve", role, "--nats-url", cfg.nats_url,
+    argv = [sys.executable, "-m", "launch.cli", "serve", role, "--nats-url", cfg.nats_url,
             "--redis-url", cfg.redis_url, "--instance-id", instance,
             "--grpc-port", str(cfg.grpc_port)]  # fmt: skip
     if metrics_port is not None:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from services.bench.client import RequestRecord
+from launch.bench.client import RequestRecord
 
 SCHEMA = "epd-bench-serve/2"
 _LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E"))

@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 
-from services.bench.client import RequestRecord, build_payload, send_request, tag
-from services.bench.datasets import BenchRequest, make_requests
-from services.bench.load import gap_stream, run_load
-from services.bench.metrics import parse_goodput, summarize
-from services.bench.report import SCHEMA, json_safe, result_document
+from launch.bench.client import RequestRecord, build_payload, send_request, tag
+from launch.bench.datasets import BenchRequest, make_requests
+from launch.bench.load import gap_stream, run_load
+from launch.bench.metrics import parse_goodput, summarize
+from launch.bench.report import SCHEMA, json_safe, result_document
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
 def dataset_requests(args: argparse.Namespace, n: int) -> list[BenchRequest]:
     """``n`` requests of ``args.dataset`` (deterministic for ``args.seed``)."""
     if args.dataset == "random-mm":
-        from services.bench.images import ImageOptions, parse_range, parse_size, random_mm_requests
+        from launch.bench.images import ImageOptions, parse_range, parse_size, random_mm_requests
 
         opts = ImageOptions(per_request=parse_range(args.mm_images_per_request),
                             repeat_ratio=args.image_repeat_ratio,
@@ -59,7 +59,7 @@ def dataset_requests(args: argparse.Namespace, n: int) -> list[BenchRequest]:
         return random_mm_requests(n, args.random_input_len, args.random_output_len,
                                   args.random_range_ratio, args.seed, opts)  # fmt: skip
     if args.dataset == "paraphrase":
-        from services.bench.paraphrase import paraphrase_requests
+        from launch.bench.paraphrase import paraphrase_requests
 
         return paraphrase_requests(n, args.random_output_len, args.seed, args.paraphrase_mix)
     token_ids = None

@@ -1,6 +1,6 @@
 """Embeddings by image hash in process memory, least recently used evicted past a size.
 
-In front of the fleet's Redis store (``embedding_store``) in both places that run a vision
+In front of the fleet's Redis store (``services.embeddings.store``) in both places that run a vision
 tower: the encoder service and ``serve all``. A repeat is then answered without a Redis
 round trip, and still when Redis is down, slow or evicted the entry, so a repeated image
 is encoded once per process whatever Redis does.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.engine.spec_proposer import ProposeInput
+from services.engine.spec.proposer import ProposeInput
 
 
 class NgramProposer:

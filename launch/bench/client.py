@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from services.bench.datasets import BenchRequest
+from launch.bench.datasets import BenchRequest
 
 Clock = Callable[[], float]
 DONE = "[DONE]"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.cli_args import engine_args, epilog, observability_args, service_args
+from launch.cli_args import engine_args, epilog, observability_args, service_args
 
 ROLES = ("encoder", "prefill", "decode", "cache", "gateway", "all")
 
@@ -82,7 +82,7 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from services.serve import serve
+    from launch.serve import serve
 
     return serve(
         args.role,
@@ -95,7 +95,7 @@ def _serve(args) -> int:
 
 
 def _up(args) -> int:
-    from services.stack import up
+    from launch.stack import up
 
     return up(args, engine_config(args), service_config(args), gateway_config(args),
               cache_config(args), observability_config(args))  # fmt: skip
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     hc.add_argument("--port", type=int, default=None, help="port to ask instead")
     hc.add_argument("--timeout", type=float, default=3.0, help="seconds (3)")
     hc.set_defaults(func=_health)
-    from services.bench.cli import add_bench_parser  # argparse only; httpx loads on a run
+    from launch.bench.cli import add_bench_parser  # argparse only; httpx loads on a run
 
     add_bench_parser(sub)
     return parser

@@ -3,8 +3,8 @@
 Each engine step, before scheduling, the engine asks the proposer for up to ``k`` draft
 tokens per running decode request; the scheduler schedules ``1 + len(drafts)`` tokens for
 it and the target model verifies them all in one forward over the paged KV cache
-(spec_verify.py). A proposer is plain Python over token ids (n-gram) or runs its own
-small model (an EAGLE head, spec_eagle.py) fed with the target's hidden states.
+(spec/verify.py). A proposer is plain Python over token ids (n-gram) or runs its own
+small model (an EAGLE head, spec/eagle.py) fed with the target's hidden states.
 
 Contract:
 

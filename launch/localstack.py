@@ -235,7 +235,7 @@ def start_redis(
     return _start("redis", build, port, host, workdir, ready_timeout_s)
 
 
-if __name__ == "__main__":  # manual check: python -m services.localstack
+if __name__ == "__main__":  # manual check: python -m launch.localstack
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     with start_nats() as nats_srv, start_redis() as redis_srv:
         logger.info("nats %s redis %s ready", nats_srv.url, redact(redis_srv.url))

@@ -1,0 +1,1 @@
+"""Launchers: the `epd` command, `up`, `serve` and `bench`; they sit above every service."""

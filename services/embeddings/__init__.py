@@ -1,0 +1,1 @@
+"""The content-addressed image-embedding store shared by encoder, prefill and gateway."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, EAGLE), verification and KV rollback."""
