@@ -52,8 +52,9 @@ class Gw:
         return self.gateway.core.backend.router
 
     def load(self, role: str) -> dict[str, int]:
-        return {i.instance_id: self.router.inflight(role, i.instance_id)
-                for i in self.router.live(role)}  # fmt: skip
+        return {
+            i.instance_id: self.router.inflight(role, i.instance_id) for i in self.router.live(role)
+        }
 
 
 @dataclass
@@ -70,10 +71,12 @@ class Rig:
 
     def start(self, instance_ids: list[str], kv_blocks: int = 1024) -> None:
         self.nats, self.redis = start_nats(), start_redis(maxmemory="256mb")
-        env = {**text_fleet_env(Path(self.model), kv_blocks),
-               "EPD_HEARTBEAT_S": str(self.timing.heartbeat_s),
-               "EPD_INSTANCE_TTL_S": str(self.timing.ttl_s),
-               "EPD_SHUTDOWN_GRACE_S": str(self.timing.grace_s)}  # fmt: skip
+        env = {
+            **text_fleet_env(Path(self.model), kv_blocks),
+            "EPD_HEARTBEAT_S": str(self.timing.heartbeat_s),
+            "EPD_INSTANCE_TTL_S": str(self.timing.ttl_s),
+            "EPD_SHUTDOWN_GRACE_S": str(self.timing.grace_s),
+        }
         self.fleet = ProcessFleet(self.model, self.nats.url, self.redis.url, self.logdir, env)
         for iid in instance_ids:
             self.spawn(iid)
@@ -95,11 +98,20 @@ class Rig:
         """A fresh gateway with ``policy``; returns once every running worker is live in
         its router. Every ``router.pick`` is recorded in ``Gw.picks``."""
         cfg = service_config(self.nats.url, self.redis.url, f"gw-{len(self.gateways)}")
-        cfg = dataclasses.replace(cfg, heartbeat_s=self.timing.heartbeat_s,
-                                  instance_ttl_s=self.timing.ttl_s, request_timeout_s=300.0,
-                                  stall_timeout_s=30.0, bus_timeout_s=30.0)  # fmt: skip
-        gw = await start_gateway(EngineConfig(model=self.model), cfg, aggregated=False,
-                                 api=GatewayConfig(http_port=0, router_policy=policy, **api))  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg,
+            heartbeat_s=self.timing.heartbeat_s,
+            instance_ttl_s=self.timing.ttl_s,
+            request_timeout_s=300.0,
+            stall_timeout_s=30.0,
+            bus_timeout_s=30.0,
+        )
+        gw = await start_gateway(
+            EngineConfig(model=self.model),
+            cfg,
+            aggregated=False,
+            api=GatewayConfig(http_port=0, router_policy=policy, **api),
+        )
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
         g = Gw(gw, channel, pbg.InferenceStub(channel))
         self.gateways.append(g)
@@ -125,8 +137,11 @@ class Rig:
         reg = g.gateway.core.backend.registry
 
         def gone() -> bool:
-            return all(i.instance_id != iid for r in ROLES.values()
-                       for i in reg.live(r, include_draining=True))  # fmt: skip
+            return all(
+                i.instance_id != iid
+                for r in ROLES.values()
+                for i in reg.live(r, include_draining=True)
+            )
 
         await reg.wait_for(gone, timeout_s=timeout_s)
 
@@ -187,8 +202,14 @@ class Stream:
         return max(gaps) if gaps else None
 
 
-async def stream(stub, req: pb.GenerateRequest, metadata=(), timeout_s: float = 300.0,
-                 on_token=None, out: Stream | None = None) -> Stream:  # fmt: skip
+async def stream(
+    stub,
+    req: pb.GenerateRequest,
+    metadata=(),
+    timeout_s: float = 300.0,
+    on_token=None,
+    out: Stream | None = None,
+) -> Stream:
     """Run ``req`` as a stream (into ``out`` when given, so a caller can watch it);
     ``on_token()`` after each response with tokens. A gRPC failure is recorded in
     ``Stream.error``, never raised."""

@@ -41,9 +41,15 @@ class Sizes:
 # cost ~3x a hit on this CPU.
 CHECKPOINTS = {
     "tiny": {},
-    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32),
-}  # fmt: skip
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+    ),
+}
 
 QUICK = Sizes(kill_rounds=1, window_trials=1, prefill_trials=1, routing_rounds=1, per_group=4)
 
@@ -95,24 +101,42 @@ async def run_streams(g: Gw, reqs, meta=(), after: int = 20, action=None):
             action()
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(stream(g.stub, r, meta, on_token=check, out=s)
-                           for r, s in zip(reqs, streams, strict=True)))  # fmt: skip
+    await asyncio.gather(
+        *(
+            stream(g.stub, r, meta, on_token=check, out=s)
+            for r, s in zip(reqs, streams, strict=True)
+        )
+    )
     return streams, time.perf_counter() - t0, (fired[0] if fired else None)
 
 
 def outcome(got: list[Stream], ref: list[Stream], tokens: int) -> dict:
-    return {"n": len(got), "completed": sum(s.error is None and len(s.tokens) == tokens for s in got),
-            "lost": sum(s.error is not None for s in got),
-            "identical": sum(s.tokens == r.tokens for s, r in zip(got, ref, strict=True)),
-            "errors": sorted({s.error for s in got if s.error})}  # fmt: skip
+    return {
+        "n": len(got),
+        "completed": sum(s.error is None and len(s.tokens) == tokens for s in got),
+        "lost": sum(s.error is not None for s in got),
+        "identical": sum(s.tokens == r.tokens for s, r in zip(got, ref, strict=True)),
+        "errors": sorted({s.error for s in got if s.error}),
+    }
 
 
 async def kill_decode(rig: Rig, names: Names, s: Sizes) -> dict:
     """(a) kill -9 of the decode serving 16 streams."""
     g = await rig.gateway("consistent_hash")
     meta = (("x-session-id", "s1"),)
-    out = {"n": 0, "completed": 0, "lost": 0, "identical": 0, "errors": [], "gaps_s": [],
-           "tpot_s": [], "undisturbed_s": [], "killed_s": [], "on_victim": [], "migrations": 0}  # fmt: skip
+    out = {
+        "n": 0,
+        "completed": 0,
+        "lost": 0,
+        "identical": 0,
+        "errors": [],
+        "gaps_s": [],
+        "tpot_s": [],
+        "undisturbed_s": [],
+        "killed_s": [],
+        "on_victim": [],
+        "migrations": 0,
+    }
     await run_streams(g, [text_request(-1 - i, 16) for i in range(4)], meta)  # warm-up
     for r in range(s.kill_rounds):
         reqs = [text_request(100 * r + i, s.tokens) for i in range(16)]
@@ -154,8 +178,16 @@ async def spaced(g: Gw, reqs, span_s: float) -> list[Stream]:
 async def death_window(rig: Rig, names: Names, s: Sizes) -> dict:
     """(b) TTFT during the expiry window after a decode death, vs no death."""
     g = await rig.gateway("prefix_aware")
-    out = {"calm": [], "death": [], "calm_e2e": [], "death_e2e": [], "calm_lost": 0,
-           "death_lost": 0, "to_dead": 0, "moves": 0}  # fmt: skip
+    out = {
+        "calm": [],
+        "death": [],
+        "calm_e2e": [],
+        "death_e2e": [],
+        "calm_lost": 0,
+        "death_lost": 0,
+        "to_dead": 0,
+        "moves": 0,
+    }
     n = s.window_requests
     for t in range(s.window_trials):
         calm = await spaced(
@@ -194,8 +226,18 @@ async def hold_in_frozen_prefills(rig: Rig, g: Gw, reqs) -> tuple[list, list[str
 async def kill_prefill(rig: Rig, names: Names, s: Sizes) -> dict:
     """(c) frozen prefills, one killed, the rest resumed."""
     g = await rig.gateway("round_robin")
-    out = {"n": 0, "completed": 0, "lost": 0, "identical": 0, "errors": [], "retries": 0,
-           "ref_ttft_s": [], "victim_ttft_s": [], "survivor_ttft_s": [], "frozen_s": []}  # fmt: skip
+    out = {
+        "n": 0,
+        "completed": 0,
+        "lost": 0,
+        "identical": 0,
+        "errors": [],
+        "retries": 0,
+        "ref_ttft_s": [],
+        "victim_ttft_s": [],
+        "survivor_ttft_s": [],
+        "frozen_s": [],
+    }
     for t in range(s.prefill_trials):
         reqs = [text_request(7000 + 100 * t + i, 32, words=40) for i in range(s.prefill_requests)]
         ref = [await stream(g.stub, r) for r in reqs]
@@ -230,8 +272,11 @@ def session_for(target: str, decodes: list[str]) -> str:
     """A session key that consistent_hash sends to ``target`` among ``decodes``."""
     policy = Policy("consistent_hash")
     cands = [Candidate(i, 0, 0, 0.0) for i in decodes]
-    return next(k for k in (f"s-{n}" for n in range(10_000))
-                if policy.choose(cands, RouteHint(k)).instance_id == target)  # fmt: skip
+    return next(
+        k
+        for k in (f"s-{n}" for n in range(10_000))
+        if policy.choose(cands, RouteHint(k)).instance_id == target
+    )
 
 
 async def drain_decode(rig: Rig, names: Names, s: Sizes) -> list[dict]:
@@ -249,12 +294,18 @@ async def drain_decode(rig: Rig, names: Names, s: Sizes) -> list[dict]:
         before = migrations("decode", "migration")
         got, t_got, t_term = await run_streams(
             g, reqs, meta, action=lambda i=iid: rig.signal(i, signal.SIGTERM)
-        )  # fmt: skip
+        )
         proc = rig.worker(iid).proc
         code = await asyncio.to_thread(proc.wait, 60)
-        row = {"grace_s": grace, **outcome(got, ref, s.tokens), "undisturbed_s": t_ref,
-               "sigterm_s": t_got, "exit_code": code, "exit_after_s": time.perf_counter() - t_term,
-               "migrations": migrations("decode", "migration") - before}  # fmt: skip
+        row = {
+            "grace_s": grace,
+            **outcome(got, ref, s.tokens),
+            "undisturbed_s": t_ref,
+            "sigterm_s": t_got,
+            "exit_code": code,
+            "exit_after_s": time.perf_counter() - t_term,
+            "migrations": migrations("decode", "migration") - before,
+        }
         rows.append(row)
         await rig.wait_gone(g, iid)
         await rig.close_gateway(g)

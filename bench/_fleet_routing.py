@@ -30,8 +30,9 @@ def routing_workload(seed: int, s, vocab: list[str]) -> list[tuple[int, object]]
     for grp, system in enumerate(systems):
         for q in range(s.per_group):
             question = f"question {q}: " + " ".join(rng.choices(vocab, k=12)) + "?"
-            pairs.append((grp, chat_request([("system", system), ("user", question)],
-                                            s.routing_tokens)))  # fmt: skip
+            pairs.append(
+                (grp, chat_request([("system", system), ("user", question)], s.routing_tokens))
+            )
     rng.shuffle(pairs)
     return pairs
 
@@ -54,8 +55,7 @@ def oracle_cached(tok, pairs) -> tuple[int, int]:
     return sum(len(p) for ps in by_group.values() for p in ps), total
 
 
-async def routing_run(rig: Rig, policy: str, pairs, s, group_key: bool,
-                      tag: int) -> dict:  # fmt: skip
+async def routing_run(rig: Rig, policy: str, pairs, s, group_key: bool, tag: int) -> dict:
     name = policy.split("[")[0]
     g = await rig.gateway(name)
     sem = asyncio.Semaphore(s.concurrency)
@@ -71,11 +71,17 @@ async def routing_run(rig: Rig, policy: str, pairs, s, group_key: bool,
     split = Counter(iid for role, iid in g.picks if role == "prefill")
     prompt, oracle = oracle_cached(g.gateway.core.tokenizer, pairs)
     await rig.close_gateway(g)
-    return {"ttft_s": [x.ttft for x in got if x.ttft is not None], "wall_s": wall,
-            "errors": [x.error for x in got if x.error],
-            "prompt": sum(x.prompt_tokens for x in got), "cached": sum(x.cached_tokens for x in got),
-            "lost": sum(x.error is not None for x in got), "split": dict(split),
-            "oracle": oracle, "oracle_prompt": prompt}  # fmt: skip
+    return {
+        "ttft_s": [x.ttft for x in got if x.ttft is not None],
+        "wall_s": wall,
+        "errors": [x.error for x in got if x.error],
+        "prompt": sum(x.prompt_tokens for x in got),
+        "cached": sum(x.cached_tokens for x in got),
+        "lost": sum(x.error is not None for x in got),
+        "split": dict(split),
+        "oracle": oracle,
+        "oracle_prompt": prompt,
+    }
 
 
 async def routing(rig: Rig, s, model: str) -> dict:
@@ -85,8 +91,19 @@ async def routing(rig: Rig, s, model: str) -> dict:
     vocab = [w for w in tok.get_vocab() if w.isalpha() and w.islower() and len(w) >= 3]
     vocab.sort()
     names = list(POLICIES) + ["consistent_hash[group key]"]
-    res = {p: {"ttft_s": [], "prompt": 0, "cached": 0, "oracle": 0, "lost": 0, "wall_s": [],
-               "split": Counter(), "errors": []} for p in names}  # fmt: skip
+    res = {
+        p: {
+            "ttft_s": [],
+            "prompt": 0,
+            "cached": 0,
+            "oracle": 0,
+            "lost": 0,
+            "wall_s": [],
+            "split": Counter(),
+            "errors": [],
+        }
+        for p in names
+    }
     warm = routing_workload(10**6, replace(s, groups=2, per_group=4), vocab)
     await routing_run(rig, "least_loaded", warm, s, False, -1)
     for r in range(s.routing_rounds):
@@ -113,9 +130,11 @@ async def routing(rig: Rig, s, model: str) -> dict:
 def report_routing(res: dict, s) -> None:
     n = s.groups * s.per_group
     mean_prompt = sum(r["prompt"] for r in res.values()) / (n * s.routing_rounds * len(res))
-    print(f"\n## Part 2: routing, {s.groups} system prompts x {s.per_group} questions = {n} "
-          f"requests per run, concurrency {s.concurrency}, max_tokens {s.routing_tokens}, "
-          f"{s.routing_rounds} rounds; prompts of {mean_prompt:.0f} tokens on average\n")  # fmt: skip
+    print(
+        f"\n## Part 2: routing, {s.groups} system prompts x {s.per_group} questions = {n} "
+        f"requests per run, concurrency {s.concurrency}, max_tokens {s.routing_tokens}, "
+        f"{s.routing_rounds} rounds; prompts of {mean_prompt:.0f} tokens on average\n"
+    )
     print(
         "| policy | hit rate | oracle | TTFT p50 ms | TTFT p99 ms | run s | prefill split | lost |"
     )
@@ -123,9 +142,11 @@ def report_routing(res: dict, s) -> None:
     for p, r in res.items():
         total = sum(r["split"].values()) or 1
         split = " / ".join(f"{i} {v / total:.0%}" for i, v in sorted(r["split"].items()))
-        print(f"| {p} | {r['cached'] / r['prompt']:.1%} | {r['oracle'] / r['prompt']:.1%} | "
-              f"{ms(r['ttft_s'], 50):.1f} | {ms(r['ttft_s'], 99):.1f} | "
-              f"{sum(r['wall_s']) / len(r['wall_s']):.2f} | {split} | {r['lost']} |")  # fmt: skip
+        print(
+            f"| {p} | {r['cached'] / r['prompt']:.1%} | {r['oracle'] / r['prompt']:.1%} | "
+            f"{ms(r['ttft_s'], 50):.1f} | {ms(r['ttft_s'], 99):.1f} | "
+            f"{sum(r['wall_s']) / len(r['wall_s']):.2f} | {split} | {r['lost']} |"
+        )
     errors = sorted({(p, e) for p, r in res.items() for e in r["errors"]})
     for p, e in errors:
         print(f"\nerror seen ({p}): {e}")

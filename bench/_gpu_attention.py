@@ -42,10 +42,15 @@ def paged(lens: list[int], qlens: list[int], dtype: torch.dtype, seed: int = 0):
         slots.append(table[i, pos // PAGE].long() * PAGE + pos % PAGE)
     qsl = torch.tensor([0] + qlens, device=DEV).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
-        block_tables=table, slot_mapping=torch.cat(slots), max_query_len=max(qlens),
-        max_seq_len=max(lens), query_lens_cpu=qlens, seq_lens_cpu=lens,
-    )  # fmt: skip
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
+        block_tables=table,
+        slot_mapping=torch.cat(slots),
+        max_query_len=max(qlens),
+        max_seq_len=max(lens),
+        query_lens_cpu=qlens,
+        seq_lens_cpu=lens,
+    )
     return k, v, meta
 
 
@@ -122,8 +127,16 @@ def section_extend(run: Run) -> None:
         want = ref.attention(q, k, v, meta, D**-0.5)
 
         def call(q=q, k=k, v=v, meta=meta):
-            return extend_attention(q, k, v, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                    meta.max_query_len, D**-0.5)  # fmt: skip
+            return extend_attention(
+                q,
+                k,
+                v,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.max_query_len,
+                D**-0.5,
+            )
 
         run.check(
             f"extend bf16 ctx={lens} new={qlens}",

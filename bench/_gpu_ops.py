@@ -25,8 +25,10 @@ def section_elementwise(run: Run) -> None:
         assert torch.equal(k0, k1) and torch.equal(v0, v1), "caches differ"
 
     run.check("write_kv bf16 T=4096", kv_ok)
-    print(f"  write_kv: triton {bench_ms(lambda: write_kv(key, value, k1, v1, slots)):.3f} ms, "
-          f"torch {bench_ms(lambda: ref.write_kv(key, value, k0, v0, slots)):.3f} ms")  # fmt: skip
+    print(
+        f"  write_kv: triton {bench_ms(lambda: write_kv(key, value, k1, v1, slots)):.3f} ms, "
+        f"torch {bench_ms(lambda: ref.write_kv(key, value, k0, v0, slots)):.3f} ms"
+    )
     x = torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16)
     r, w = torch.randn_like(x), torch.rand(4096, device=DEV, dtype=torch.bfloat16) + 0.5
 
@@ -36,8 +38,10 @@ def section_elementwise(run: Run) -> None:
         torch.testing.assert_close(a, b, **BF16_TOL)
 
     run.check("rms_norm bf16 4096x4096 + residual", norm_ok)
-    print(f"  rms_norm: triton {bench_ms(lambda: rms_norm(x, w, 1e-6, r)):.3f} ms, "
-          f"torch {bench_ms(lambda: ref.rms_norm(x, w, 1e-6, r)):.3f} ms")  # fmt: skip
+    print(
+        f"  rms_norm: triton {bench_ms(lambda: rms_norm(x, w, 1e-6, r)):.3f} ms, "
+        f"torch {bench_ms(lambda: ref.rms_norm(x, w, 1e-6, r)):.3f} ms"
+    )
     section_rotary(run, t)
 
 
@@ -59,5 +63,7 @@ def section_rotary(run: Run, t: int) -> None:
 
         run.check(f"rotary bf16 T={t} neox={neox}", ok)
     q, k = qkv[:, :HQ].clone(), qkv[:, HQ : HQ + HKV].clone()
-    print(f"  rotary: triton {bench_ms(lambda: rotary(pos, q, k, cache, True)):.3f} ms, "
-          f"torch {bench_ms(lambda: ref.rotary(pos, q, k, cache, True)):.3f} ms")  # fmt: skip
+    print(
+        f"  rotary: triton {bench_ms(lambda: rotary(pos, q, k, cache, True)):.3f} ms, "
+        f"torch {bench_ms(lambda: ref.rotary(pos, q, k, cache, True)):.3f} ms"
+    )

@@ -17,11 +17,17 @@ def sampling_tensors(
 ) -> SamplingTensors:
     full = lambda x, dt: torch.full((b,), x, dtype=dt, device=DEV)  # noqa: E731
     return SamplingTensors(
-        temperature=full(temp, torch.float32), top_k=full(top_k, torch.int32),
-        top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
-        seeds=full(7, torch.int64), positions=torch.arange(b, device=DEV), all_greedy=temp == 0,
-        no_top_k=top_k == 0, no_top_p=top_p >= 1, no_min_p=min_p == 0,
-    )  # fmt: skip
+        temperature=full(temp, torch.float32),
+        top_k=full(top_k, torch.int32),
+        top_p=full(top_p, torch.float32),
+        min_p=full(min_p, torch.float32),
+        seeds=full(7, torch.int64),
+        positions=torch.arange(b, device=DEV),
+        all_greedy=temp == 0,
+        no_top_k=top_k == 0,
+        no_top_p=top_p >= 1,
+        no_min_p=min_p == 0,
+    )
 
 
 def masks_and_order_ok(logits: torch.Tensor, masked: SamplingTensors) -> None:

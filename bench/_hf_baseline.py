@@ -28,8 +28,13 @@ def hf_padded(model, prompts, max_new: int) -> tuple[float, list[list[int]]]:
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                         do_sample=False, pad_token_id=pad)  # fmt: skip
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=pad,
+    )
     dt = time.perf_counter() - t0
     assert out.shape[1] == width + max_new, "transformers stopped early"
     return dt, out[:, width:].tolist()

@@ -63,8 +63,10 @@ async def _measure_size(pub, receiver, sink: RawSink, size: int, reps: int) -> l
     await chunked(pub, receiver, CHUNKED_SUBJECT, data, f"warm-{size}")
     await raw_publish(pub, sink, RAW_SUBJECT, data)
     for i in range(reps):
-        pair = [("c", chunked(pub, receiver, CHUNKED_SUBJECT, data, f"t{size}-{i}")),
-                ("r", raw_publish(pub, sink, RAW_SUBJECT, data))]  # fmt: skip
+        pair = [
+            ("c", chunked(pub, receiver, CHUNKED_SUBJECT, data, f"t{size}-{i}")),
+            ("r", raw_publish(pub, sink, RAW_SUBJECT, data)),
+        ]
         for kind, coro in pair if i % 2 == 0 else pair[::-1]:
             (t_chunk if kind == "c" else t_raw).append(await coro)
     return [size / 1e6 / statistics.median(t) for t in (t_chunk, t_raw)]

@@ -30,8 +30,9 @@ def request(tag: str, image: bytes | None):
     text = f"request {tag}: {words}, {words}."
     parts = ([pb.ContentPart(image=image)] if image else []) + [pb.ContentPart(text=text)]
     sp = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return pb.GenerateRequest(model="demo", sampling=sp,
-                              chat=pb.Chat(messages=[pb.ChatMessage(role="user", parts=parts)]))  # fmt: skip
+    return pb.GenerateRequest(
+        model="demo", sampling=sp, chat=pb.Chat(messages=[pb.ChatMessage(role="user", parts=parts)])
+    )
 
 
 def request_set(round_id: str, n: int) -> list[tuple[str, object]]:

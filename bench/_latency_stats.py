@@ -11,8 +11,10 @@ def report_latency(
     """Print the tables; return the TTFT p50 overhead (ms) at 1 stream, all prompts."""
     samples = res["samples"]
     print(f"\nLatency (ms), {rounds} rounds, max_tokens={max_tokens}, ignore_eos")
-    print(f"{'streams':>7} {'prompts':>7} {'n':>4} | {'system':<7} {'TTFT p50':>9} {'TTFT p99':>9}"
-          f" {'TPOT p50':>9} {'TPOT p99':>9} {'gap2 p50':>9} {'gap2 p99':>9}")  # fmt: skip
+    print(
+        f"{'streams':>7} {'prompts':>7} {'n':>4} | {'system':<7} {'TTFT p50':>9} {'TTFT p99':>9}"
+        f" {'TPOT p50':>9} {'TPOT p99':>9} {'gap2 p50':>9} {'gap2 p99':>9}"
+    )
     overhead_c1 = float("nan")
     for c, _ in per_level:
         for kind in ("text", "image", "all"):
@@ -35,7 +37,9 @@ def _print_row(samples: list, streams: int, kind: str, name: str) -> float:
     ttft = [x.ttft_s * 1e3 for x in sel]
     tpot = [x.tpot_s * 1e3 for x in sel if x.tpot_s is not None]
     gap2 = [x.gap2_s * 1e3 for x in sel if x.gap2_s is not None]
-    print(f"{streams:>7} {kind:>7} {len(sel):>4} | {name:<7} {pct(ttft, 50):9.1f} "
-          f"{pct(ttft, 99):9.1f} {pct(tpot, 50):9.2f} {pct(tpot, 99):9.2f} "
-          f"{pct(gap2, 50):9.1f} {pct(gap2, 99):9.1f}")  # fmt: skip
+    print(
+        f"{streams:>7} {kind:>7} {len(sel):>4} | {name:<7} {pct(ttft, 50):9.1f} "
+        f"{pct(ttft, 99):9.1f} {pct(tpot, 50):9.2f} {pct(tpot, 99):9.2f} "
+        f"{pct(gap2, 50):9.1f} {pct(gap2, 99):9.1f}"
+    )
     return pct(ttft, 50)

@@ -25,9 +25,21 @@ class Case:
 
 def random_case(concurrency: int, prompts: int) -> Case:
     """128 prompt token ids -> 64 tokens (ignore_eos) at a concurrency cap."""
-    flags = ("--dataset", "random", "--random-token-ids", "--random-input-len", "128",
-             "--random-output-len", "64", "--num-prompts", str(prompts),
-             "--max-concurrency", str(concurrency), "--warmup", str(min(concurrency, 8)))  # fmt: skip
+    flags = (
+        "--dataset",
+        "random",
+        "--random-token-ids",
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        "64",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--warmup",
+        str(min(concurrency, 8)),
+    )
     return Case(f"random c{concurrency}", flags, TEXT_SYSTEMS)
 
 
@@ -54,10 +66,24 @@ def paraphrase_cases(quick: bool) -> list[Case]:
     its own WordLevel one reads every English word as ``<unk>``, and questions that are the
     same ids are rightly exact hits of one another, negatives included."""
     n = "20" if quick else "80"
-    flags = ("--dataset", "paraphrase", "--num-prompts", n, "--warmup", n,
-             "--random-output-len", "32", "--max-concurrency", "4", "--user", "peers-{run}")  # fmt: skip
-    return [Case("paraphrase, demo model", flags, ("epd-cache-on", "epd-cache-off")),
-            Case("paraphrase, shared llama", flags, ("llama-cache-on", "llama-cache-off"))]  # fmt: skip
+    flags = (
+        "--dataset",
+        "paraphrase",
+        "--num-prompts",
+        n,
+        "--warmup",
+        n,
+        "--random-output-len",
+        "32",
+        "--max-concurrency",
+        "4",
+        "--user",
+        "peers-{run}",
+    )
+    return [
+        Case("paraphrase, demo model", flags, ("epd-cache-on", "epd-cache-off")),
+        Case("paraphrase, shared llama", flags, ("llama-cache-on", "llama-cache-off")),
+    ]
 
 
 def mm_cases(quick: bool) -> list[Case]:
@@ -66,12 +92,29 @@ def mm_cases(quick: bool) -> list[Case]:
     cases = []
     for per_request, prompts in ((1, 24), (4, 8)):
         for reuse in (0.0, 0.8):
-            flags = ("--dataset", "random-mm", "--mm-images-per-request", str(per_request),
-                     "--image-repeat-ratio", str(reuse), "--mm-image-size", "224x224",
-                     "--random-input-len", "32", "--random-output-len", "16",
-                     "--num-prompts", str(prompts // (4 if quick else 1) or 2),
-                     "--max-concurrency", "4", "--warmup", "1",
-                     "--goodput", "ttft:5000", "tpot:200")  # fmt: skip
+            flags = (
+                "--dataset",
+                "random-mm",
+                "--mm-images-per-request",
+                str(per_request),
+                "--image-repeat-ratio",
+                str(reuse),
+                "--mm-image-size",
+                "224x224",
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "16",
+                "--num-prompts",
+                str(prompts // (4 if quick else 1) or 2),
+                "--max-concurrency",
+                "4",
+                "--warmup",
+                "1",
+                "--goodput",
+                "ttft:5000",
+                "tpot:200",
+            )
             label = f"mm {per_request} img, {reuse:.0%} reuse"
             cases.append(Case(label, flags, ("epd-disagg", "epd-agg")))
     return cases

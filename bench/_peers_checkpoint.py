@@ -42,8 +42,13 @@ def _save_tokenizer(out: Path) -> None:
     vocab = {piece(i): i for i in range(VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                  bos_token="<s>", eos_token="</s>", model_max_length=2048)  # fmt: skip
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=2048,
+    )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
 
@@ -56,10 +61,19 @@ def text_checkpoint(cache: Path) -> Path:
     out = cache / TEXT_NAME
     if (out / "model.safetensors").exists():
         return out
-    cfg = LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, intermediate_size=1408, vocab_size=VOCAB,
-                      max_position_embeddings=2048, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, torch_dtype="float32")  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     tmp = out.with_name(out.name + ".tmp")
@@ -94,8 +108,9 @@ def gguf_file(cache: Path, text_dir: Path, python: Path, converter: Path) -> Pat
     out = cache / f"{TEXT_NAME}-f32.gguf"
     if not out.exists():
         script = Path(__file__).with_name("_peers_gguf.py")
-        subprocess.run([str(python), str(script), str(text_dir), str(out), str(converter)],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [str(python), str(script), str(text_dir), str(out), str(converter)], check=True
+        )
     return out
 
 
@@ -127,7 +142,8 @@ def vlm_checkpoint(cache: Path) -> Path:
     for name in demo.iterdir():
         if name.name.startswith(("tokenizer", "chat_template", "generation_config")):
             (tmp / name.name).write_bytes(name.read_bytes())
-    CLIPImageProcessor(size={"shortest_edge": 224},
-                       crop_size={"height": 224, "width": 224}).save_pretrained(str(tmp))  # fmt: skip
+    CLIPImageProcessor(
+        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}
+    ).save_pretrained(str(tmp))
     tmp.rename(out)
     return out

@@ -52,8 +52,15 @@ def main(argv: list[str]) -> int:
                 (work / name).symlink_to(src / name)
         write_sentencepiece(work / "tokenizer.model")
         part = out.with_name(out.name + ".part")
-        cmd = [sys.executable, str(converter), str(work), "--outtype", "f32",
-               "--outfile", str(part)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(converter),
+            str(work),
+            "--outtype",
+            "f32",
+            "--outfile",
+            str(part),
+        ]
         # The converter imports the gguf package from its own source tree.
         gguf_py = str(converter.parent / "gguf-py")
         env = dict(

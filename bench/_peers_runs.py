@@ -17,14 +17,25 @@ from _peers_cases import Case
 from launch.bench.cli import add_bench_parser, bench_serve
 
 
-def bench_args(base_url: str, model: str, flags: tuple[str, ...], seed: int,
-               run: str) -> argparse.Namespace:  # fmt: skip
+def bench_args(
+    base_url: str, model: str, flags: tuple[str, ...], seed: int, run: str
+) -> argparse.Namespace:
     """``epd bench serve`` flags parsed by its own parser (defaults and checks included);
     ``{run}`` in a flag becomes ``run`` (a name unique to this run)."""
     parser = argparse.ArgumentParser(prog="epd")
     add_bench_parser(parser.add_subparsers(dest="command"))
-    argv = ["bench", "serve", "--base-url", base_url, "--model", model, "--seed", str(seed),
-            "--no-progress", *(f.replace("{run}", run) for f in flags)]  # fmt: skip
+    argv = [
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--model",
+        model,
+        "--seed",
+        str(seed),
+        "--no-progress",
+        *(f.replace("{run}", run) for f in flags),
+    ]
     return parser.parse_args(argv)
 
 
@@ -113,8 +124,14 @@ async def greedy_words(base_url: str, model: str, prompt_ids: list[int], n: int)
     token of the shared vocabulary decodes to one word, whatever the server's detokenizer."""
     import httpx
 
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": n, "temperature": 0.0,
-            "ignore_eos": True, "stream": False}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": False,
+    }
     async with httpx.AsyncClient(timeout=120.0) as client:
         resp = await client.post(base_url.rstrip("/") + "/completions", json=body)
         resp.raise_for_status()

@@ -48,20 +48,42 @@ class System:
 
 def _quiet_env(threads: int) -> dict[str, str]:
     """Environment every server gets: no downloads, no telemetry, ``threads`` OpenMP threads."""
-    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-            "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
-def epd_system(name: str, model_dir: Path, threads: int, aggregated: bool,
-               extra: list[str] | None = None) -> System:  # fmt: skip
+def epd_system(
+    name: str, model_dir: Path, threads: int, aggregated: bool, extra: list[str] | None = None
+) -> System:
     """``epd up`` (``--aggregated``: one ``serve all`` process) on private NATS / Redis ports."""
     port = free_port(HOST)
-    argv = [sys.executable, "-m", "launch.cli", "--log-level", "WARNING", "up",
-            "--model", str(model_dir), "--host", HOST, "--http-port", str(port),
-            "--grpc-port", str(free_port(HOST)),
-            "--nats-url", f"nats://{HOST}:{free_port(HOST)}",
-            "--redis-url", f"redis://{HOST}:{free_port(HOST)}/0", *(extra or [])]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--model",
+        str(model_dir),
+        "--host",
+        HOST,
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        str(free_port(HOST)),
+        "--nats-url",
+        f"nats://{HOST}:{free_port(HOST)}",
+        "--redis-url",
+        f"redis://{HOST}:{free_port(HOST)}/0",
+        *(extra or []),
+    ]
     if aggregated:
         argv.append("--aggregated")
     return System(name, argv, port, model_dir.name, _quiet_env(threads))
@@ -74,9 +96,24 @@ def vllm_system(venv: Path, model_dir: Path, threads: int) -> System | None:
         log.warning("vllm: skipped (no venv at %s; see ../shared/peers.md)", venv)
         return None
     port = free_port(HOST)
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--dtype", "float32", "--host", HOST, "--port", str(port), "--max-model-len", "2048",
-            "--served-model-name", model_dir.name, "--disable-log-stats"]  # fmt: skip
+    argv = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        model_dir.name,
+        "--disable-log-stats",
+    ]
     env = _quiet_env(threads)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else "0-1")
     # 0.32.0's AOT compile cache fails to load ("'function' object has no attribute
@@ -104,9 +141,25 @@ def llama_system(binary: Path, gguf: Path | None, threads: int, slots: int) -> S
         return None
     port = free_port(HOST)
     # 512 context tokens per slot: every workload here fits (prompt + output <= 512).
-    argv = [str(binary), "-m", str(gguf), "--host", HOST, "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(512 * slots),
-            "--alias", gguf.stem.removesuffix("-f32")]  # fmt: skip
+    argv = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(512 * slots),
+        "--alias",
+        gguf.stem.removesuffix("-f32"),
+    ]
     return System("llama.cpp", argv, port, gguf.stem.removesuffix("-f32"), _quiet_env(threads))
 
 
@@ -133,8 +186,10 @@ class Running:
                 raise RuntimeError(
                     f"{self.system.name} exited {self.proc.returncode}:\n{self.tail()}"
                 )
-            with (contextlib.suppress(urllib.error.URLError, OSError),
-                  urllib.request.urlopen(url, timeout=2.0) as resp):  # fmt: skip
+            with (
+                contextlib.suppress(urllib.error.URLError, OSError),
+                urllib.request.urlopen(url, timeout=2.0) as resp,
+            ):
                 if resp.status == 200:
                     return time.monotonic() - started
             time.sleep(1.0)  # polling a server that is loading, not synchronising a test
@@ -169,6 +224,12 @@ def start(system: System, cpus: str, logdir: Path) -> Running:
     env = dict(os.environ, **system.env)
     env.pop("VIRTUAL_ENV", None)  # a peer's python must not think it runs in ours
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(["taskset", "-c", cpus, *system.argv], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["taskset", "-c", cpus, *system.argv],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return Running(system, proc, log_path)

@@ -41,23 +41,37 @@ def words_prompt(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(1000, 30000)}" for _ in range(n))
 
 
-def guidellm(venv: Path, base_url: str, model: str, ckpt: Path, work: Workload,
-             seed: int, out_dir: Path) -> tuple[list[str], dict[str, float]]:  # fmt: skip
+def guidellm(
+    venv: Path, base_url: str, model: str, ckpt: Path, work: Workload, seed: int, out_dir: Path
+) -> tuple[list[str], dict[str, float]]:
     """Run guidellm once; its command line and figures."""
     rng = random.Random(seed)
     prompts = out_dir / f"guidellm-prompts-{seed}.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": words_prompt(rng, work.isl),
-                                           "output_tokens_count": work.osl}) + "\n"
-                               for _ in range(work.requests)))  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": words_prompt(rng, work.isl), "output_tokens_count": work.osl})
+            + "\n"
+            for _ in range(work.requests)
+        )
+    )
     result = out_dir / f"guidellm-{seed}.json"
-    cmd = [str(venv / "bin" / "guidellm"), "run",
-           "--backend", f"kind=openai_http,target={base_url},model={model},"
-                        "request_format=/v1/completions",
-           "--profile", f"kind=concurrent,streams={work.concurrency}",
-           "--constraint", f"kind=max_requests,count={work.requests}",
-           "--data", f"kind=json_file,path={prompts}",
-           "--tokenizer", f"kind=huggingface_auto,model={ckpt}",
-           "--output", f"kind=json,path={result}", "--disable-progress"]  # fmt: skip
+    cmd = [
+        str(venv / "bin" / "guidellm"),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={base_url},model={model},request_format=/v1/completions",
+        "--profile",
+        f"kind=concurrent,streams={work.concurrency}",
+        "--constraint",
+        f"kind=max_requests,count={work.requests}",
+        "--data",
+        f"kind=json_file,path={prompts}",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={ckpt}",
+        "--output",
+        f"kind=json,path={result}",
+        "--disable-progress",
+    ]
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     _run(cmd, env, out_dir / f"guidellm-{seed}.log")
     m = json.loads(result.read_text())["benchmarks"][0]["metrics"]
@@ -65,33 +79,68 @@ def guidellm(venv: Path, base_url: str, model: str, ckpt: Path, work: Workload,
     def ok(key: str) -> dict[str, Any]:
         return m[key]["successful"]
 
-    return cmd, {"output_throughput": ok("output_tokens_per_second")["mean"],
-                 "ttft_p50": ok("time_to_first_token_ms")["median"],
-                 "tpot_p50": ok("inter_token_latency_ms")["median"],
-                 "e2el_p50": ok("request_latency")["median"] * 1000.0,
-                 "goodput": math.nan, "failed": m["request_totals"]["errored"], "cache": {}}  # fmt: skip
+    return cmd, {
+        "output_throughput": ok("output_tokens_per_second")["mean"],
+        "ttft_p50": ok("time_to_first_token_ms")["median"],
+        "tpot_p50": ok("inter_token_latency_ms")["median"],
+        "e2el_p50": ok("request_latency")["median"] * 1000.0,
+        "goodput": math.nan,
+        "failed": m["request_totals"]["errored"],
+        "cache": {},
+    }
 
 
-def aiperf(venv: Path, base_url: str, model: str, ckpt: Path, work: Workload,
-           seed: int, out_dir: Path) -> tuple[list[str], dict[str, float]]:  # fmt: skip
+def aiperf(
+    venv: Path, base_url: str, model: str, ckpt: Path, work: Workload, seed: int, out_dir: Path
+) -> tuple[list[str], dict[str, float]]:
     """Run aiperf once; its command line and figures."""
     art = out_dir / f"aiperf-{seed}"
-    cmd = [str(venv / "bin" / "aiperf"), "profile", "--model", model,
-           "--url", base_url.removesuffix("/v1"), "--endpoint-type", "completions", "--streaming",
-           "--tokenizer", str(ckpt), "--isl", str(work.isl), "--osl", str(work.osl),
-           "--concurrency", str(work.concurrency), "--request-count", str(work.requests),
-           "--prompt-corpus", "random", "--random-seed", str(seed),
-           "--extra-inputs", "ignore_eos:true", "--no-gpu-telemetry", "--no-server-metrics",
-           "--ui", "none", "--artifact-dir", str(art)]  # fmt: skip
+    cmd = [
+        str(venv / "bin" / "aiperf"),
+        "profile",
+        "--model",
+        model,
+        "--url",
+        base_url.removesuffix("/v1"),
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--tokenizer",
+        str(ckpt),
+        "--isl",
+        str(work.isl),
+        "--osl",
+        str(work.osl),
+        "--concurrency",
+        str(work.concurrency),
+        "--request-count",
+        str(work.requests),
+        "--prompt-corpus",
+        "random",
+        "--random-seed",
+        str(seed),
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--no-gpu-telemetry",
+        "--no-server-metrics",
+        "--ui",
+        "none",
+        "--artifact-dir",
+        str(art),
+    ]
     # Unset on purpose: with HF_HUB_OFFLINE aiperf mistakes a local tokenizer dir for a hub id.
     _run(cmd, {}, out_dir / f"aiperf-{seed}.log", unset=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     d = json.loads((art / "profile_export_aiperf.json").read_text())
     errors = sum(e.get("count", 0) for e in d.get("error_summary") or [])
-    return cmd, {"output_throughput": d["output_token_throughput"]["avg"],
-                 "ttft_p50": d["time_to_first_token"]["p50"],
-                 "tpot_p50": d["inter_token_latency"]["p50"],
-                 "e2el_p50": d["request_latency"]["p50"],
-                 "goodput": math.nan, "failed": errors, "cache": {}}  # fmt: skip
+    return cmd, {
+        "output_throughput": d["output_token_throughput"]["avg"],
+        "ttft_p50": d["time_to_first_token"]["p50"],
+        "tpot_p50": d["inter_token_latency"]["p50"],
+        "e2el_p50": d["request_latency"]["p50"],
+        "goodput": math.nan,
+        "failed": errors,
+        "cache": {},
+    }
 
 
 def _run(cmd: list[str], env: dict[str, str], log: Path, unset: tuple[str, ...] = ()) -> None:
@@ -101,7 +150,13 @@ def _run(cmd: list[str], env: dict[str, str], log: Path, unset: tuple[str, ...] 
     full = {k: v for k, v in os.environ.items() if k not in unset and k != "VIRTUAL_ENV"}
     full.update(env)
     with open(log, "wb") as out:
-        rc = subprocess.run(cmd, env=full, stdout=out, stderr=subprocess.STDOUT,
-                            cwd=tempfile.gettempdir(), timeout=900).returncode  # fmt: skip
+        rc = subprocess.run(
+            cmd,
+            env=full,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tempfile.gettempdir(),
+            timeout=900,
+        ).returncode
     if rc != 0:
         raise RuntimeError(f"{cmd[0]} exited {rc}:\n{log.read_text(errors='replace')[-3000:]}")

@@ -27,12 +27,23 @@ def configs(heads: dict, ks) -> dict[str, dict | None]:
     """Name -> speculative_config (None: plain decoding)."""
     out: dict[str, dict | None] = {"plain": None}
     for k in ks:
-        out[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k,
-                               "prompt_lookup_min": 1, "prompt_lookup_max": 4}  # fmt: skip
-        out[f"eagle3 k={k}"] = {"method": "eagle3", "model": str(heads["eagle3"]),
-                                "num_speculative_tokens": k}  # fmt: skip
-        out[f"p-eagle k={k}"] = {"method": "eagle3", "model": str(heads["peagle"]),
-                                 "num_speculative_tokens": k, "parallel_drafting": True}  # fmt: skip
+        out[f"ngram k={k}"] = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        }
+        out[f"eagle3 k={k}"] = {
+            "method": "eagle3",
+            "model": str(heads["eagle3"]),
+            "num_speculative_tokens": k,
+        }
+        out[f"p-eagle k={k}"] = {
+            "method": "eagle3",
+            "model": str(heads["peagle"]),
+            "num_speculative_tokens": k,
+            "parallel_drafting": True,
+        }
     return out
 
 
@@ -78,8 +89,14 @@ def run_once(llm: LLM, prompts: list[list[int]], batch: int, new: int) -> dict:
         outputs += [list(done[r]) for r in rids]
     ver = stats.verifications - before[0] if stats else 0
     acc = stats.accepted_tokens - before[1] if stats else 0
-    return {"outputs": outputs, "tokens": sum(map(len, outputs)), "seconds": seconds,
-            "steps": steps, "verifications": ver, "accepted": acc}  # fmt: skip
+    return {
+        "outputs": outputs,
+        "tokens": sum(map(len, outputs)),
+        "seconds": seconds,
+        "steps": steps,
+        "verifications": ver,
+        "accepted": acc,
+    }
 
 
 def run_engine_suite(target_dir: Path, heads: dict, prompts, new: int, rounds: int, ks) -> dict:
@@ -101,8 +118,13 @@ def run_engine_suite(target_dir: Path, heads: dict, prompts, new: int, rounds: i
                 res = run_once(engines[name], prompts, batch, new)
                 res["propose_seconds"] = clocks[name][0]
                 samples[name].append(res)
-                log.info("batch %d round %d %-12s %.1f tok/s", batch, r, name,
-                         res["tokens"] / res["seconds"])  # fmt: skip
+                log.info(
+                    "batch %d round %d %-12s %.1f tok/s",
+                    batch,
+                    r,
+                    name,
+                    res["tokens"] / res["seconds"],
+                )
         results[f"batch {batch}"] = _summarise(samples)
     return results
 

@@ -63,9 +63,14 @@ def build_pool(target, stream: torch.Tensor, aux_ids: tuple[int, ...], r: HeadRe
     starts = torch.randint(0, len(stream) - r.seq, (r.pool,), generator=gen).tolist()
     corpus = torch.stack([stream[s : s + r.seq] for s in starts[:half]])
     prompts = torch.stack([stream[s : s + r.prefix] for s in starts[half:]])
-    generated = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                max_new_tokens=r.seq - r.prefix, min_new_tokens=r.seq - r.prefix,
-                                pad_token_id=target.config.pad_token_id)  # fmt: skip
+    generated = target.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        do_sample=False,
+        max_new_tokens=r.seq - r.prefix,
+        min_new_tokens=r.seq - r.prefix,
+        pad_token_id=target.config.pad_token_id,
+    )
     tokens = torch.cat([corpus, generated[:, : r.seq]])
     aux, probs = [], []
     for chunk in tokens.split(64):
@@ -82,9 +87,14 @@ def target_rows(target, ids: torch.Tensor, aux_ids) -> tuple[torch.Tensor, torch
     Hooks read each layer's own output, as the engine hands it over. transformers'
     ``hidden_states[n]`` would be wrong for the last layer: it is after the final norm."""
     seen: dict[int, torch.Tensor] = {}
-    hooks = [target.model.layers[i - 1].register_forward_hook(
-        lambda mod, args, out, i=i: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-        for i in aux_ids]  # fmt: skip
+    hooks = [
+        target.model.layers[i - 1].register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(
+                i, out[0] if isinstance(out, tuple) else out
+            )
+        )
+        for i in aux_ids
+    ]
     try:
         logits = target(input_ids=ids).logits
     finally:
@@ -99,15 +109,24 @@ def new_head(
     """A head shaped like one target layer, embeddings/lm_head/norm copied from the target."""
     c = target.config
     cfg = Eagle3Config(
-        model_type=kind, layer_type="llama", hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size, aux_layer_ids=aux_ids,
-        target_hidden_size=c.hidden_size, rope={"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=4096, mask_token_id=mask_id if kind == "peagle" else None,
+        model_type=kind,
+        layer_type="llama",
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=c.vocab_size,
+        aux_layer_ids=aux_ids,
+        target_hidden_size=c.hidden_size,
+        rope={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=4096,
+        mask_token_id=mask_id if kind == "peagle" else None,
         verifier={"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]},
         speculative_tokens=5,
-    )  # fmt: skip
+    )
     head = Eagle3Head(cfg)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
@@ -196,6 +215,12 @@ def train_head(head: Eagle3Head, pool: Pool, r: HeadRecipe) -> Eagle3Head:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 10 == 0 or step == steps - 1:
-            log.info("%s step %d/%d loss %.3f (%.0f s)", head.cfg.model_type, step, steps,
-                     loss.item(), time.perf_counter() - t0)  # fmt: skip
+            log.info(
+                "%s step %d/%d loss %.3f (%.0f s)",
+                head.cfg.model_type,
+                step,
+                steps,
+                loss.item(),
+                time.perf_counter() - t0,
+            )
     return head.eval()

@@ -43,8 +43,10 @@ class Acceptance:
         return self.emitted / self.verifications if self.verifications else 0.0
 
     def by_position(self) -> list[float]:
-        return [round(a / d, 3) if d else 0.0
-                for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)]  # fmt: skip
+        return [
+            round(a / d, 3) if d else 0.0
+            for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)
+        ]
 
     def add(self, drafts: list[int], truth: list[int]) -> int:
         """Score one verification; returns how many tokens it emitted."""
@@ -68,9 +70,14 @@ def references(target, prompts: list[list[int]], new: int, aux_ids) -> list[Refe
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=new, min_new_tokens=new,
-                              pad_token_id=target.config.pad_token_id)  # fmt: skip
+        gen = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=target.config.pad_token_id,
+        )
         rows = target_rows(target, gen, aux_ids)[0][0]
         out.append(Reference(p, gen[0, len(p) :].tolist(), rows))
     return out

@@ -88,11 +88,20 @@ def build_tokenizer(texts: list[str], out: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", mask_token="<mask>", model_max_length=4096)  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        mask_token="<mask>",
+        model_max_length=4096,
+    )
     fast.save_pretrained(str(out))
     return fast
 
@@ -118,11 +127,19 @@ def train_target(r: Recipe, tok, stream: torch.Tensor, out: Path):
 
     torch.manual_seed(r.seed)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=r.hidden, intermediate_size=r.intermediate,
-        num_hidden_layers=r.layers, num_attention_heads=r.heads, num_key_value_heads=r.kv_heads,
-        head_dim=r.hidden // r.heads, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=r.hidden,
+        intermediate_size=r.intermediate,
+        num_hidden_layers=r.layers,
+        num_attention_heads=r.heads,
+        num_key_value_heads=r.kv_heads,
+        head_dim=r.hidden // r.heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=r.target_lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(r.seed)
@@ -136,8 +153,13 @@ def train_target(r: Recipe, tok, stream: torch.Tensor, out: Path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == r.target_steps - 1:
-            log.info("target step %d/%d loss %.3f (%.0f s)", step, r.target_steps, loss.item(),
-                     time.perf_counter() - t0)  # fmt: skip
+            log.info(
+                "target step %d/%d loss %.3f (%.0f s)",
+                step,
+                r.target_steps,
+                loss.item(),
+                time.perf_counter() - t0,
+            )
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(str(out))
     return model.eval()
@@ -179,6 +201,7 @@ def build_target(r: Recipe = Recipe(), root: Path = CACHE) -> tuple[Path, torch.
     seconds = time.perf_counter() - t0
     loss = held_out_loss(r, model, tok)
     log.info("target: held-out loss %.3f (%.0f s to build)", loss, seconds)
-    (out / "epd_spec_bench.json").write_text(json.dumps({"version": VERSION, "seconds": seconds,
-                                                         "held_out_loss": loss}))  # fmt: skip
+    (out / "epd_spec_bench.json").write_text(
+        json.dumps({"version": VERSION, "seconds": seconds, "held_out_loss": loss})
+    )
     return out, stream

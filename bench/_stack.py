@@ -51,25 +51,49 @@ class Fleet:
         self.nats = start_nats(host=HOST)
         self.redis = start_redis(host=HOST, maxmemory="512mb")
 
-    def spawn(self, role: str, instance: str, log_level: str = "INFO",
-              cpus: set[int] | None = None, env: dict[str, str] | None = None) -> int:  # fmt: skip
+    def spawn(
+        self,
+        role: str,
+        instance: str,
+        log_level: str = "INFO",
+        cpus: set[int] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> int:
         """Start ``epd serve <role>`` (on ``cpus`` only, if given; ``env``: extra EPD_*
         settings); returns its gRPC port (meaningful for gateways; the REST port is
         ``http_ports[instance]``)."""
         assert self.nats is not None and self.redis is not None, "start_servers() first"
         grpc_port = free_port(HOST)
         self.http_ports[instance] = free_port(HOST)
-        argv = [sys.executable, "-m", "launch.cli", "--log-level", log_level, "serve", role,
-                "--model", "demo", "--nats-url", self.nats.url, "--redis-url", self.redis.url,
-                "--instance-id", instance, "--grpc-port", str(grpc_port),
-                "--http-port", str(self.http_ports[instance])]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "--log-level",
+            log_level,
+            "serve",
+            role,
+            "--model",
+            "demo",
+            "--nats-url",
+            self.nats.url,
+            "--redis-url",
+            self.redis.url,
+            "--instance-id",
+            instance,
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(self.http_ports[instance]),
+        ]
         # EPD_HOST: the gateway listens on the loopback interface only.
         env = dict(os.environ, EPD_HOST=HOST, PYTHONUNBUFFERED="1", **(env or {}))
         log = self.logdir / f"{instance}.log"
         with open(log, "wb") as out:
             pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=pin)  # fmt: skip
+            proc = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin
+            )
         self.children.append(Child(instance, proc, log))
         return grpc_port
 

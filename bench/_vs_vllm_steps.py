@@ -37,16 +37,20 @@ def step_kind(prefill_tokens: float, decode_rows: float) -> str:
 def report(seconds: float, tokens: int) -> None:
     """Print the steps by kind, then every timer, as shares of ``seconds``."""
     steps = [s for s in STEPS if s[0] or s[1]]
-    print(f"run: {seconds:.1f} s, {tokens} output tokens, {tokens / seconds:.1f} tok/s, "
-          f"{len(steps)} steps")  # fmt: skip
+    print(
+        f"run: {seconds:.1f} s, {tokens} output tokens, {tokens / seconds:.1f} tok/s, "
+        f"{len(steps)} steps"
+    )
     print("\nsteps by kind      steps   seconds  share  prefill tok  decode rows  ms/step")
     for kind in ("prefill", "mixed", "decode"):
         rows = [s for s in steps if step_kind(s[0], s[1]) == kind]
         if rows:
             t = sum(r[2] for r in rows)
-            print(f"  {kind:<14} {len(rows):7d} {t:9.2f} {100 * t / seconds:5.1f}% "
-                  f"{sum(r[0] for r in rows):12.0f} {sum(r[1] for r in rows):12.0f} "
-                  f"{1000 * t / len(rows):8.2f}")  # fmt: skip
+            print(
+                f"  {kind:<14} {len(rows):7d} {t:9.2f} {100 * t / seconds:5.1f}% "
+                f"{sum(r[0] for r in rows):12.0f} {sum(r[1] for r in rows):12.0f} "
+                f"{1000 * t / len(rows):8.2f}"
+            )
     print("\ntimer                                      calls   seconds  share")
     for name, (calls, t) in sorted(TIMES.items()):
         print(f"  {name:<40} {calls:7d} {t:9.2f} {100 * t / seconds:5.1f}%")

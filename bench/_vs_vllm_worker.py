@@ -43,12 +43,18 @@ class Ours:
 
         torch.set_num_threads(threads)
         self._params = SamplingParams
-        kwargs = {"kv_cache_memory_mb": KV_GIB * 1024, "max_num_seqs": 256,
-                  "enable_prefix_caching": True, **(config or {})}  # fmt: skip
+        kwargs = {
+            "kv_cache_memory_mb": KV_GIB * 1024,
+            "max_num_seqs": 256,
+            "enable_prefix_caching": True,
+            **(config or {}),
+        }
         self.llm = LLM(model, **kwargs)
         eng = self.llm.engine
-        self.config = (f"backend {eng.backend.name}, step budget {eng.step_tokens} tokens, "
-                       f"extra {config or {}}")  # fmt: skip
+        self.config = (
+            f"backend {eng.backend.name}, step budget {eng.step_tokens} tokens, "
+            f"extra {config or {}}"
+        )
 
     def run(self, prompts: list[list[int]], outputs: list[int]) -> list[list[int]]:
         """Output ids of one ``generate`` call, greedy, each to its own max_tokens."""
@@ -65,20 +71,29 @@ class Vllm:
         from vllm import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(model=model, dtype="float32", skip_tokenizer_init=True,
-                       max_model_len=2048, enable_prefix_caching=True, seed=0,
-                       **(config or {}))  # fmt: skip
+        self.llm = LLM(
+            model=model,
+            dtype="float32",
+            skip_tokenizer_init=True,
+            max_model_len=2048,
+            enable_prefix_caching=True,
+            seed=0,
+            **(config or {}),
+        )
         sched = self.llm.llm_engine.vllm_config.scheduler_config
-        self.config = (f"max_num_batched_tokens {sched.max_num_batched_tokens}, "
-                       f"max_num_seqs {sched.max_num_seqs}")  # fmt: skip
+        self.config = (
+            f"max_num_batched_tokens {sched.max_num_batched_tokens}, "
+            f"max_num_seqs {sched.max_num_seqs}"
+        )
 
     def run(self, prompts: list[list[int]], outputs: list[int]) -> list[list[int]]:
         """Output ids of one ``generate`` call, greedy, each to its own max_tokens."""
         self.llm.reset_prefix_cache()
-        params = [self._params(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-                  for n in outputs]  # fmt: skip
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                 use_tqdm=False)  # fmt: skip
+        params = [
+            self._params(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+            for n in outputs
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
 

@@ -63,8 +63,9 @@ def build(name: str) -> Workload:
         return Workload(name, "256 requests, prompts U[32,512] -> U[16,256]", prompts, outs)
     if name == "prefix":
         prompts, outs = shared_prefix_requests()
-        return Workload(name, "mixed, 50 % shared 256-token prefixes, prefix caching on",
-                        prompts, outs)  # fmt: skip
+        return Workload(
+            name, "mixed, 50 % shared 256-token prefixes, prefix caching on", prompts, outs
+        )
     title, (n, prompt_len, new, seed, threads) = UNIFORM[name]
     prompts = random_prompts(random.Random(seed), [prompt_len] * n)
     return Workload(name, title, prompts, [new] * n, threads)

@@ -45,10 +45,14 @@ def inputs(rows: int, lo: int, hi: int, hot: bool):
         used += n
     meta = AttentionMetadata(
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(ctxs, dtype=torch.int32), block_tables=tables,
-        slot_mapping=torch.zeros(rows, dtype=torch.int64), max_query_len=1,
-        max_seq_len=max(ctxs), query_lens_cpu=[1] * rows, seq_lens_cpu=ctxs,
-    )  # fmt: skip
+        seq_lens=torch.tensor(ctxs, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(rows, dtype=torch.int64),
+        max_query_len=1,
+        max_seq_len=max(ctxs),
+        query_lens_cpu=[1] * rows,
+        seq_lens_cpu=ctxs,
+    )
     kc, vc = torch.randn(2, POOL, BS, HKV, D)
     return torch.randn(rows, HQ, D), kc, vc, meta, sum(ctxs) * HKV * D * 4 * 2
 
@@ -57,10 +61,23 @@ def call(lib, q, kc, vc, plan: AttentionPlan, ranges) -> torch.Tensor:
     """The kernel over the plan's rows, split over threads as the backend splits them."""
     p = cpu_native.ptr
     out = torch.empty_like(q)
-    rc = lib.epd_par_decode_attention(p(out), p(q), p(kc), p(vc), p(plan.tables),
-                                      plan.tables.stride(0), p(plan.lens), p(plan.rows),
-                                      p(plan.seqs), HQ, HKV, D, BS, D**-0.5,
-                                      *cpu_native.bounds(ranges))  # fmt: skip
+    rc = lib.epd_par_decode_attention(
+        p(out),
+        p(q),
+        p(kc),
+        p(vc),
+        p(plan.tables),
+        plan.tables.stride(0),
+        p(plan.lens),
+        p(plan.rows),
+        p(plan.seqs),
+        HQ,
+        HKV,
+        D,
+        BS,
+        D**-0.5,
+        *cpu_native.bounds(ranges),
+    )
     assert rc == 0
     return out
 
@@ -98,8 +115,10 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
-    print(f"{args.rows} rows over {lo}-{hi} tokens, {args.threads} thread(s)"
-          f"{', K/V in cache' if args.hot else ''}:")  # fmt: skip
+    print(
+        f"{args.rows} rows over {lo}-{hi} tokens, {args.threads} thread(s)"
+        f"{', K/V in cache' if args.hot else ''}:"
+    )
     for name, t in best.items():
         print(f"  {name}: {t * 1e3:.2f} ms, {nbytes / t / 1e9:.1f} GB/s of K/V")
 

@@ -58,9 +58,11 @@ def demo_kv_line() -> str:
     tc = ModelInfo.load(EngineConfig(model="demo")).text_config
     heads = tc.num_key_value_heads
     per_token = 2 * tc.num_hidden_layers * heads * (tc.hidden_size // tc.num_attention_heads) * 4
-    return (f"demo KV (fp32 on CPU): {per_token} B/token, {per_token * 16 // KIB} KiB per "
-            f"16-token block; a 64-token prompt {per_token * 64 // KIB} KiB, the full "
-            f"{tc.max_position_embeddings}-token context {per_token * tc.max_position_embeddings // MIB} MiB")  # fmt: skip
+    return (
+        f"demo KV (fp32 on CPU): {per_token} B/token, {per_token * 16 // KIB} KiB per "
+        f"16-token block; a 64-token prompt {per_token * 64 // KIB} KiB, the full "
+        f"{tc.max_position_embeddings}-token context {per_token * tc.max_position_embeddings // MIB} MiB"
+    )
 
 
 def start_systems(fleet: Fleet) -> dict[str, int]:

@@ -69,9 +69,21 @@ class Sizes:
     b1_steps: int = 8  # decode steps per scheduling round of the multi-step figure
 
 
-QUICK = Sizes(w1_prompts=8, w1_prompt_len=32, w1_new=8, w1_seq_prompts=2, w2_requests=16,
-              w2_prompt=(8, 64), w2_output=(4, 32), hf_batch=8, b1_prompt_len=16, b1_new=16,
-              rounds=1, w2_rounds=1, b1_rounds=1)  # fmt: skip
+QUICK = Sizes(
+    w1_prompts=8,
+    w1_prompt_len=32,
+    w1_new=8,
+    w1_seq_prompts=2,
+    w2_requests=16,
+    w2_prompt=(8, 64),
+    w2_output=(4, 32),
+    hf_batch=8,
+    b1_prompt_len=16,
+    b1_new=16,
+    rounds=1,
+    w2_rounds=1,
+    b1_rounds=1,
+)
 
 
 # ------------------------------------------------------------------- checkpoint
@@ -90,11 +102,19 @@ def ensure_checkpoint(root: Path) -> Path:
     tok = _build_tokenizer(tmp)
     # The tokenizer has 30523 entries; the spec's vocabulary is 32000 (prompts are ids).
     cfg = LlamaConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-        bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, dtype="float32",
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(str(tmp))
     tmp.rename(out)
@@ -134,8 +154,11 @@ def decode_rate_ours(llm: LLM, prompt: list[int], new: int, tag: str, steps: int
     samples the first token), with ``steps`` decode steps per scheduling round."""
     eng = llm.engine
     eng.config.num_scheduler_steps = steps
-    eng.add_request(tag, {"prompt_token_ids": prompt},
-                    SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))  # fmt: skip
+    eng.add_request(
+        tag,
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+    )
     times = []
     try:
         while eng.has_unfinished_requests():
@@ -163,8 +186,9 @@ def read_bandwidth(nbytes: int = 1 << 30, seconds: float = 0.8) -> tuple[float, 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes read per decode step: every parameter but the embedding table (gathered)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-               if "embed_tokens" not in n)  # fmt: skip
+    return sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
+    )
 
 
 # ------------------------------------------------------------------- report
@@ -202,8 +226,10 @@ def bench_w1(llm, hf, s: Sizes) -> list[bool]:
     print(f"  transformers, batch of {s.w1_prompts:<3}    {fmt(batched)}")
     print(f"  transformers, one at a time   {fmt(sequential)}  [first {len(seq)} prompts]")
     print(f"  greedy outputs identical to transformers': {agree}/{len(seq)} prompts")
-    return [goal("W1 ours / transformers batched", best(ours) / best(batched), 1.3),
-            goal("W1 ours / transformers sequential", best(ours) / best(sequential), 9.0)]  # fmt: skip
+    return [
+        goal("W1 ours / transformers batched", best(ours) / best(batched), 1.3),
+        goal("W1 ours / transformers sequential", best(ours) / best(sequential), 9.0),
+    ]
 
 
 def bench_w2(llm, hf, s: Sizes) -> list[bool]:
@@ -213,8 +239,10 @@ def bench_w2(llm, hf, s: Sizes) -> list[bool]:
     for _ in range(s.w2_rounds):
         ours.append(useful / run_ours(llm, prompts, outs)[0])
         padded.append(useful / hf_batches(hf, prompts, outs, s.hf_batch))
-    print(f"W2: {s.w2_requests} requests, prompts U{list(s.w2_prompt)}, outputs "
-          f"U{list(s.w2_output)}, {useful} useful output tokens")  # fmt: skip
+    print(
+        f"W2: {s.w2_requests} requests, prompts U{list(s.w2_prompt)}, outputs "
+        f"U{list(s.w2_output)}, {useful} useful output tokens"
+    )
     print(f"  ours                          {fmt(ours)}")
     print(f"  transformers, padded x{s.hf_batch:<3}     {fmt(padded)}")
     return [goal("W2 ours / transformers padded", best(ours) / best(padded), 2.5)]
@@ -235,32 +263,49 @@ def bench_batch1(llm, s: Sizes) -> list[bool]:
         multi.append(decode_rate_ours(llm, prompt, s.b1_new, f"b1-{r}-x{k}", k))
     floor = best(bws) / nbytes
     print(f"Batch-1 decode: {s.b1_prompt_len}-token prompt, {s.b1_new} new tokens")
-    print(f"  weight bytes per step {nbytes / 1e6:.1f} MB, read bandwidth {best(bws) / 1e9:.2f} "
-          f"GB/s (the fastest sum of 1 GiB, ~40 ms, in {len(bws)} rounds: "
-          f"{', '.join(f'{b / 1e9:.1f}' for b in bws)})")  # fmt: skip
+    print(
+        f"  weight bytes per step {nbytes / 1e6:.1f} MB, read bandwidth {best(bws) / 1e9:.2f} "
+        f"GB/s (the fastest sum of 1 GiB, ~40 ms, in {len(bws)} rounds: "
+        f"{', '.join(f'{b / 1e9:.1f}' for b in bws)})"
+    )
     print(f"  floor                         {floor:8.1f} tok/s")
     for name, rates in ((" one step per round", single), (f" num_scheduler_steps={k}", multi)):
         # Each round against the bandwidth sampled just before it: how the drift spreads.
         paired = sorted(100 * rate * nbytes / bw for rate, bw in zip(rates, bws, strict=True))
         print(f"  ours,{name:<25}{fmt(rates)}: {100 * best(rates) / floor:.1f} % of the floor")
-        print(f"    each round / its own floor  {', '.join(f'{p:.1f}' for p in paired)} % "
-              f"(median {paired[len(paired) // 2]:.1f} %)")  # fmt: skip
+        print(
+            f"    each round / its own floor  {', '.join(f'{p:.1f}' for p in paired)} % "
+            f"(median {paired[len(paired) // 2]:.1f} %)"
+        )
     # A decode round is a ~1 s average; so is this bandwidth (the same sums, all counted).
-    print(f"  read bandwidth held over ~{0.8:.1f} s (as long as a decode round): best "
-          f"{best(held) / 1e9:.2f} GB/s ({', '.join(f'{b / 1e9:.1f}' for b in held)}); "
-          f"ours x{k} against it: {100 * best(multi) * nbytes / best(held):.1f} %")  # fmt: skip
-    return [goal(f"batch-1 decode (num_scheduler_steps={k}) / floor",
-                 100 * best(multi) / floor, 80.0, " %")]  # fmt: skip
+    print(
+        f"  read bandwidth held over ~{0.8:.1f} s (as long as a decode round): best "
+        f"{best(held) / 1e9:.2f} GB/s ({', '.join(f'{b / 1e9:.1f}' for b in held)}); "
+        f"ours x{k} against it: {100 * best(multi) * nbytes / best(held):.1f} %"
+    )
+    return [
+        goal(
+            f"batch-1 decode (num_scheduler_steps={k}) / floor",
+            100 * best(multi) / floor,
+            80.0,
+            " %",
+        )
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache/epd-serve/bench"))
-    ap.add_argument("--only", action="append", choices=["w1", "w2", "batch1"],
-                    help="run only these parts (repeatable); default: all")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (the goals are stated at 1)")  # fmt: skip
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=["w1", "w2", "batch1"],
+        help="run only these parts (repeatable); default: all",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the goals are stated at 1)"
+    )
     args = ap.parse_args()
     s = QUICK if args.quick else Sizes()
     torch.set_num_threads(args.threads)
@@ -269,16 +314,26 @@ def main() -> None:
     path = ensure_checkpoint(root)
     hf = load_hf(path)
     blocks = (s.w2_requests + s.w1_prompts) * (-(-(s.w2_prompt[1] + s.w2_output[1]) // 16) + 1)
-    llm = LLM(str(path), num_kv_blocks=blocks, block_size=16, max_num_seqs=256,
-              enable_prefix_caching=False)  # fmt: skip
-    print(f"model: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters fp32, "
-          f"threads {torch.get_num_threads()}, checkpoint {path}")  # fmt: skip
+    llm = LLM(
+        str(path),
+        num_kv_blocks=blocks,
+        block_size=16,
+        max_num_seqs=256,
+        enable_prefix_caching=False,
+    )
+    print(
+        f"model: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters fp32, "
+        f"threads {torch.get_num_threads()}, checkpoint {path}"
+    )
     print(f"ours: backend {llm.engine.backend.name}, step budget {llm.engine.step_tokens} tokens")
     run_ours(llm, [[1000 + i for i in range(16)]] * 2, [4, 4])  # warm-up
     hf_padded(hf, [[1000 + i for i in range(16)]] * 2, 4)
     t0 = time.perf_counter()
-    parts = {"w1": lambda: bench_w1(llm, hf, s), "w2": lambda: bench_w2(llm, hf, s),
-             "batch1": lambda: bench_batch1(llm, s)}  # fmt: skip
+    parts = {
+        "w1": lambda: bench_w1(llm, hf, s),
+        "w2": lambda: bench_w2(llm, hf, s),
+        "batch1": lambda: bench_batch1(llm, s),
+    }
     met = [ok for name, run in parts.items() if not args.only or name in args.only for ok in run()]
     print(f"goals met: {sum(met)}/{len(met)}; benchmark took {time.perf_counter() - t0:.0f} s")
 

@@ -69,31 +69,42 @@ def report_faults(a: dict, b: dict, c: dict, d: list[dict], timing: Timing) -> N
     print("| scenario | requests | completed | lost | identical | figures |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     und, kil = a["undisturbed_s"], a["killed_s"]
-    print(f"| (a) kill -9 decode holding {'/'.join(map(str, a['on_victim']))} streams | {a['n']} | "
-          f"{a['completed']} | {a['lost']} | {a['identical']} | migration stall p50 "
-          f"{ms(a['gaps_s'], 50):.0f} ms, p99 {ms(a['gaps_s'], 99):.0f} ms (normal token gap p50 "
-          f"{ms(a['tpot_s'], 50):.1f} ms, p99 {ms(a['tpot_s'], 99):.1f} ms); total "
-          f"{sum(kil) / len(kil):.2f} s vs {sum(und) / len(und):.2f} s undisturbed; "
-          f"{a['migrations']:.0f} migrations |")  # fmt: skip
+    print(
+        f"| (a) kill -9 decode holding {'/'.join(map(str, a['on_victim']))} streams | {a['n']} | "
+        f"{a['completed']} | {a['lost']} | {a['identical']} | migration stall p50 "
+        f"{ms(a['gaps_s'], 50):.0f} ms, p99 {ms(a['gaps_s'], 99):.0f} ms (normal token gap p50 "
+        f"{ms(a['tpot_s'], 50):.1f} ms, p99 {ms(a['tpot_s'], 99):.1f} ms); total "
+        f"{sum(kil) / len(kil):.2f} s vs {sum(und) / len(und):.2f} s undisturbed; "
+        f"{a['migrations']:.0f} migrations |"
+    )
     for key, label in (("calm", "no death"), ("death", "decode killed at t=0")):
         xs, e2e, lost = b[key], b[f"{key}_e2e"], b[f"{key}_lost"]
-        extra = (f"; {b['to_dead']} routed to the dead decode, {b['moves']:.0f} moved"
-                 if key == "death" else "")  # fmt: skip
-        print(f"| (b) 16-token requests spaced over {timing.ttl_s:g}s, {label} | "
-              f"{len(e2e) + lost} | {len(e2e)} | {lost} | - | TTFT p50 {ms(xs, 50):.0f} ms, "
-              f"p99 {ms(xs, 99):.0f} ms; last token p50 {ms(e2e, 50):.0f} ms, p99 "
-              f"{ms(e2e, 99):.0f} ms{extra} |")  # fmt: skip
-    print(f"| (c) prefills frozen, one killed | {c['n']} | {c['completed']} | {c['lost']} | "
-          f"{c['identical']} | TTFT from send: killed prefill's p50 {ms(c['victim_ttft_s'], 50):.0f}"
-          f" ms, max {ms(c['victim_ttft_s'], 100):.0f} ms; survivor's p50 "
-          f"{ms(c['survivor_ttft_s'], 50):.0f} ms; undisturbed p50 {ms(c['ref_ttft_s'], 50):.0f} ms;"
-          f" frozen {sum(c['frozen_s']) / len(c['frozen_s']):.2f} s; {c['retries']:.0f} retries |")  # fmt: skip
+        extra = (
+            f"; {b['to_dead']} routed to the dead decode, {b['moves']:.0f} moved"
+            if key == "death"
+            else ""
+        )
+        print(
+            f"| (b) 16-token requests spaced over {timing.ttl_s:g}s, {label} | "
+            f"{len(e2e) + lost} | {len(e2e)} | {lost} | - | TTFT p50 {ms(xs, 50):.0f} ms, "
+            f"p99 {ms(xs, 99):.0f} ms; last token p50 {ms(e2e, 50):.0f} ms, p99 "
+            f"{ms(e2e, 99):.0f} ms{extra} |"
+        )
+    print(
+        f"| (c) prefills frozen, one killed | {c['n']} | {c['completed']} | {c['lost']} | "
+        f"{c['identical']} | TTFT from send: killed prefill's p50 {ms(c['victim_ttft_s'], 50):.0f}"
+        f" ms, max {ms(c['victim_ttft_s'], 100):.0f} ms; survivor's p50 "
+        f"{ms(c['survivor_ttft_s'], 50):.0f} ms; undisturbed p50 {ms(c['ref_ttft_s'], 50):.0f} ms;"
+        f" frozen {sum(c['frozen_s']) / len(c['frozen_s']):.2f} s; {c['retries']:.0f} retries |"
+    )
     for row in d:
-        print(f"| (d) SIGTERM decode holding 8 streams, grace {row['grace_s']:g}s | {row['n']} | "
-              f"{row['completed']} | {row['lost']} | {row['identical']} | total "
-              f"{row['sigterm_s']:.2f} s vs {row['undisturbed_s']:.2f} s undisturbed; exit "
-              f"{row['exit_code']} {row['exit_after_s']:.2f} s after SIGTERM; "
-              f"{row['migrations']:.0f} migrations |")  # fmt: skip
+        print(
+            f"| (d) SIGTERM decode holding 8 streams, grace {row['grace_s']:g}s | {row['n']} | "
+            f"{row['completed']} | {row['lost']} | {row['identical']} | total "
+            f"{row['sigterm_s']:.2f} s vs {row['undisturbed_s']:.2f} s undisturbed; exit "
+            f"{row['exit_code']} {row['exit_after_s']:.2f} s after SIGTERM; "
+            f"{row['migrations']:.0f} migrations |"
+        )
     errors = sorted(set(a["errors"] + c["errors"] + [e for r in d for e in r["errors"]]))
     if errors:
         print(f"\nerrors seen: {errors}")
@@ -125,8 +136,12 @@ def main() -> int:
     )
     logging.getLogger("services.bus.heartbeat").setLevel(logging.INFO)  # expiries: deaths seen
     s = QUICK if args.quick else Sizes()
-    for key, field in (("rounds", "routing_rounds"), ("groups", "groups"),
-                       ("per_group", "per_group"), ("concurrency", "concurrency")):  # fmt: skip
+    for key, field in (
+        ("rounds", "routing_rounds"),
+        ("groups", "groups"),
+        ("per_group", "per_group"),
+        ("concurrency", "concurrency"),
+    ):
         if getattr(args, key) is not None:
             setattr(s, field, getattr(args, key))
     timing = Timing(args.heartbeat_s, args.ttl_s, args.grace_s)
@@ -144,8 +159,10 @@ def main() -> int:
     if "routing" in out:
         report_routing(out["routing"], s)
     lag = out.get("loop_lag", {})
-    print(f"\nthis process's event loop (gateway + clients): worst lag {lag.get('worst_s', 0):.2f}s, "
-          f"{lag.get('stalls_over_1s', 0)} stalls over 1s")  # fmt: skip
+    print(
+        f"\nthis process's event loop (gateway + clients): worst lag {lag.get('worst_s', 0):.2f}s, "
+        f"{lag.get('stalls_over_1s', 0)} stalls over 1s"
+    )
     print(f"logs in {rig.logdir}; total {time.perf_counter() - started:.0f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=list))

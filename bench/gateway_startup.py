@@ -38,13 +38,28 @@ def _rss_mb(pid: int) -> float:
 
 def one(checkout: Path, nats_url: str, redis_url: str) -> tuple[float, float]:
     port = free_port("127.0.0.1")
-    argv = [sys.executable, "-m", "launch.cli", "--log-level", "WARNING", "serve", "gateway",
-            "--nats-url", nats_url, "--redis-url", redis_url, "--http-port", str(port),
-            "--grpc-port", str(free_port("127.0.0.1"))]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "gateway",
+        "--nats-url",
+        nats_url,
+        "--redis-url",
+        redis_url,
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        str(free_port("127.0.0.1")),
+    ]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=checkout, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         while True:
             if proc.poll() is not None:
@@ -81,9 +96,11 @@ def main() -> int:
                 runs[c].append(one(c, nats.url, redis.url))
     for c, rounds in runs.items():
         times, rss = [r[0] for r in rounds], [r[1] for r in rounds]
-        print(f"gateway of {c}: start-up to /health best {min(times):.2f} s, median "
-              f"{statistics.median(times):.2f} s; RSS median {statistics.median(rss):.0f} MB "
-              f"({args.rounds} rounds)")  # fmt: skip
+        print(
+            f"gateway of {c}: start-up to /health best {min(times):.2f} s, median "
+            f"{statistics.median(times):.2f} s; RSS median {statistics.median(rss):.0f} MB "
+            f"({args.rounds} rounds)"
+        )
     return 0
 
 

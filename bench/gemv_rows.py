@@ -88,8 +88,10 @@ def main() -> None:
     layer_shapes, head_shape = _shapes(args.model)
     layers = [torch.randn(k, n) for k, n in layer_shapes]
     head = torch.randn(*head_shape)
-    print(f"{args.model}: {len(layers)} layer matrices + head {head_shape}, 1 thread, "
-          f"median of {args.reps}")  # fmt: skip
+    print(
+        f"{args.model}: {len(layers)} layer matrices + head {head_shape}, 1 thread, "
+        f"median of {args.reps}"
+    )
     one: dict[str, float] = {}
     with torch.inference_mode():
         for m in args.rows:
@@ -100,8 +102,11 @@ def main() -> None:
                     samples[name].append(fn())
             ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
             one = one or ms
-            print(f"rows {m:3d}: " + ", ".join(f"{name} {t:.2f} ms ({t / one[name]:.2f}x)"
-                                              for name, t in ms.items()), flush=True)  # fmt: skip
+            print(
+                f"rows {m:3d}: "
+                + ", ".join(f"{name} {t:.2f} ms ({t / one[name]:.2f}x)" for name, t in ms.items()),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

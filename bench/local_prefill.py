@@ -68,14 +68,18 @@ async def run(ports: dict[str, int], rounds: int, warmup: int) -> dict:
 
 
 def report(res: dict, rounds: int, limit: int) -> None:
-    print(f"\nTTFT (ms), {rounds} rounds, one request at a time; local = prompts of at most "
-          f"{limit} uncached tokens prefill on the decode instance")  # fmt: skip
+    print(
+        f"\nTTFT (ms), {rounds} rounds, one request at a time; local = prompts of at most "
+        f"{limit} uncached tokens prefill on the decode instance"
+    )
     print("| prompt tokens | split p50 | local p50 | saved p50 | split p90 | local p90 |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for length in WORDS:
         a, b = res["ttft"][("split", length)], res["ttft"][("local", length)]
-        print(f"| ~{length} | {pct(a, 50):.1f} | {pct(b, 50):.1f} | "
-              f"{pct(a, 50) - pct(b, 50):+.1f} | {pct(a, 90):.1f} | {pct(b, 90):.1f} |")  # fmt: skip
+        print(
+            f"| ~{length} | {pct(a, 50):.1f} | {pct(b, 50):.1f} | "
+            f"{pct(a, 50) - pct(b, 50):+.1f} | {pct(a, 90):.1f} | {pct(b, 90):.1f} |"
+        )
     print(f"greedy outputs that differ between the two paths: {res['mismatches']}")
 
 
@@ -95,7 +99,7 @@ def main() -> int:
             "split": fleet.spawn("gateway", "split", env={"EPD_MAX_LOCAL_PREFILL_TOKENS": "0"}),
             "local": fleet.spawn(
                 "gateway", "local", env={"EPD_MAX_LOCAL_PREFILL_TOKENS": str(args.limit)}
-            ),  # fmt: skip
+            ),
         }
         for port in ports.values():
             fleet.wait_healthy(port, timeout_s=300)

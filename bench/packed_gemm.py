@@ -44,8 +44,10 @@ def main() -> None:
     print(f"{args.threads} thread(s); GFLOP/s: column-major / packed for 64 / for 2048 rows")
     for n, k in SHAPES:
         w = torch.randn(k, n).t()  # W [n, k] stored as W^T
-        packs = {rows: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
-                 for rows in (64, 2048)}  # fmt: skip
+        packs = {
+            rows: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
+            for rows in (64, 2048)
+        }
         for m in ROWS:
             x = torch.randn(m, k)
             plain = linear(x, w)
@@ -53,10 +55,15 @@ def main() -> None:
             rates, same = [], True
             for weight in (w, *packs.values()):
                 same &= torch.equal(linear(x, weight), plain)
-                rates.append(flops / best(lambda x=x, weight=weight: linear(x, weight),
-                                          args.reps) / 1e9)  # fmt: skip
-            print(f"  {m:5d} x {k:5d} x {n:5d}: " + " / ".join(f"{r:6.1f}" for r in rates)
-                  + f"  same bits: {same}", flush=True)  # fmt: skip
+                rates.append(
+                    flops / best(lambda x=x, weight=weight: linear(x, weight), args.reps) / 1e9
+                )
+            print(
+                f"  {m:5d} x {k:5d} x {n:5d}: "
+                + " / ".join(f"{r:6.1f}" for r in rates)
+                + f"  same bits: {same}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

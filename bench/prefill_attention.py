@@ -24,8 +24,18 @@ from services.kernels import torch_backend as ref  # noqa: E402
 from services.kernels.cpu_backend import CpuBackend  # noqa: E402
 from services.kernels.metadata import AttentionMetadata  # noqa: E402
 
-SHAPES = [(128, 128), (512, 512), (1024, 1024), (2000, 2000), (4000, 4000),
-          (8, 512), (16, 2000), (64, 1024), (512, 2000), (1000, 4000)]  # fmt: skip
+SHAPES = [
+    (128, 128),
+    (512, 512),
+    (1024, 1024),
+    (2000, 2000),
+    (4000, 4000),
+    (8, 512),
+    (16, 2000),
+    (64, 1024),
+    (512, 2000),
+    (1000, 4000),
+]
 
 
 def make_inputs(q: int, ctx: int, hq: int, hkv: int, d: int, bs: int = 16):
@@ -36,10 +46,14 @@ def make_inputs(q: int, ctx: int, hq: int, hkv: int, d: int, bs: int = 16):
     table = torch.randperm(pool, generator=gen)[:nblk].to(torch.int32)[None]
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, q], dtype=torch.int32),
-        seq_lens=torch.tensor([ctx], dtype=torch.int32), block_tables=table,
-        slot_mapping=torch.zeros(q, dtype=torch.int64), max_query_len=q, max_seq_len=ctx,
-        query_lens_cpu=[q], seq_lens_cpu=[ctx],
-    )  # fmt: skip
+        seq_lens=torch.tensor([ctx], dtype=torch.int32),
+        block_tables=table,
+        slot_mapping=torch.zeros(q, dtype=torch.int64),
+        max_query_len=q,
+        max_seq_len=ctx,
+        query_lens_cpu=[q],
+        seq_lens_cpu=[ctx],
+    )
     kc = torch.randn(pool, bs, hkv, d, generator=gen)
     vc = torch.randn(pool, bs, hkv, d, generator=gen)
     return torch.randn(q, hq, d, generator=gen), kc, vc, meta

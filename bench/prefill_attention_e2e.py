@@ -53,8 +53,12 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/peers/ckpt"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(str(text_checkpoint(args.cache_dir)), kv_cache_memory_mb=1024, max_num_seqs=256,
-              enable_prefix_caching=True)  # fmt: skip
+    llm = LLM(
+        str(text_checkpoint(args.cache_dir)),
+        kv_cache_memory_mb=1024,
+        max_num_seqs=256,
+        enable_prefix_caching=True,
+    )
     print(f"limits {dict(zip(NAMES, AFTER, strict=True))}")
     for name in args.workloads.split(","):
         w = workloads.build(name)
@@ -67,9 +71,12 @@ def main() -> None:
                 rates[side].append(rate)
         same = sum(a == b for a, b in zip(ids["before"], ids["after"], strict=True))
         fmt = {k: " ".join(f"{x:.1f}" for x in v) for k, v in rates.items()}
-        print(f"{name} ({w.title}): before {fmt['before']} tok/s, after {fmt['after']} tok/s, "
-              f"after/before {max(rates['after']) / max(rates['before']):.3f}x (bests); "
-              f"{same}/{len(w.prompts)} outputs identical", flush=True)  # fmt: skip
+        print(
+            f"{name} ({w.title}): before {fmt['before']} tok/s, after {fmt['after']} tok/s, "
+            f"after/before {max(rates['after']) / max(rates['before']):.3f}x (bests); "
+            f"{same}/{len(w.prompts)} outputs identical",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

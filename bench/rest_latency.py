@@ -42,8 +42,11 @@ async def grpc_ttft(stub, text: str, image: bytes | None) -> float:
     from protos.epd_pb import inference_pb2 as pb
 
     parts = ([pb.ContentPart(image=image)] if image else []) + [pb.ContentPart(text=text)]
-    req = pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[pb.ChatMessage(role="user", parts=parts)]),
-                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))  # fmt: skip
+    req = pb.GenerateRequest(
+        model="demo",
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", parts=parts)]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+    )
     sent, first = time.perf_counter(), None
     async for resp in stub.Generate(req):
         if resp.token_ids and first is None:
@@ -56,15 +59,24 @@ def rest_body(text: str, image: bytes | None) -> dict:
     if image:
         url = "data:image/png;base64," + base64.b64encode(image).decode()
         parts.insert(0, {"type": "image_url", "image_url": {"url": url}})
-    return {"model": "demo", "messages": [{"role": "user", "content": parts}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}  # fmt: skip
+    return {
+        "model": "demo",
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 async def rest_ttft(http, body: dict) -> float:
     payload = json.dumps(body).encode()
     sent, first = time.perf_counter(), None
-    async with http.stream("POST", "/v1/chat/completions", content=payload,
-                           headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+    async with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        content=payload,
+        headers={"Content-Type": "application/json"},
+    ) as resp:
         async for line in resp.aiter_lines():
             if line.startswith("data:") and first is None:
                 first = time.perf_counter()
@@ -122,8 +134,10 @@ def main() -> int:
         fleet.start_servers()
         for role in ("encoder", "prefill", "decode"):
             fleet.spawn(role, f"{role}-0", log_level="WARNING")
-        ports = {"disaggregated": fleet.spawn("gateway", "gateway-0", log_level="WARNING"),
-                 "aggregated": fleet.spawn("all", "all-0", log_level="WARNING")}  # fmt: skip
+        ports = {
+            "disaggregated": fleet.spawn("gateway", "gateway-0", log_level="WARNING"),
+            "aggregated": fleet.spawn("all", "all-0", log_level="WARNING"),
+        }
         for port in ports.values():
             fleet.wait_healthy(port, timeout_s=300)
         http = {
@@ -137,15 +151,19 @@ def main() -> int:
             for kind, values in res.items():
                 over = pct(values, 50) - pct(res["grpc"], 50)
                 note = "" if kind == "grpc" else f"   {over:+.2f} ms"
-                print(f"{name:<14} {kind:<8} {pct(values, 50):7.2f} {pct(values, 90):7.2f} "
-                      f"{pct(values, 99):7.2f}{note}")  # fmt: skip
+                print(
+                    f"{name:<14} {kind:<8} {pct(values, 50):7.2f} {pct(values, 90):7.2f} "
+                    f"{pct(values, 99):7.2f}{note}"
+                )
                 if kind == "rest":
                     worst = max(worst, over)
         fleet.check_alive()
     finally:
         fleet.close()
-    print(f"\nGoal REST TTFT p50 overhead over gRPC <= 2 ms: worst {worst:+.2f} ms -> "
-          f"{'met' if worst <= 2 else 'MISSED'}")  # fmt: skip
+    print(
+        f"\nGoal REST TTFT p50 overhead over gRPC <= 2 ms: worst {worst:+.2f} ms -> "
+        f"{'met' if worst <= 2 else 'MISSED'}"
+    )
     return 0
 
 

@@ -70,8 +70,15 @@ def guard_scores(rows: list[dict], guards: list[str], name: str, label: str) -> 
     fn = sum(r[label] and g != name for r, g in zip(rows, guards, strict=True))
     missed = [r["id"] for r, g in zip(rows, guards, strict=True) if r[label] and g != name]
     false = [r["id"] for r, g in zip(rows, guards, strict=True) if not r[label] and g == name]
-    return {"precision": tp / max(tp + fp, 1), "recall": tp / max(tp + fn, 1), "tp": tp,
-            "fp": fp, "fn": fn, "missed": missed, "false_positives": false}  # fmt: skip
+    return {
+        "precision": tp / max(tp + fp, 1),
+        "recall": tp / max(tp + fn, 1),
+        "tp": tp,
+        "fp": fp,
+        "fn": fn,
+        "missed": missed,
+        "false_positives": false,
+    }
 
 
 async def evaluate(config_path: Path, rows: list[dict], passes: int) -> dict:
@@ -99,8 +106,9 @@ async def evaluate(config_path: Path, rows: list[dict], passes: int) -> dict:
     return report(rows, results, times, embed_times)
 
 
-def report(rows: list[dict], results: list, times: list[tuple[float, float]],
-           embed_times: list[float]) -> dict:  # fmt: skip
+def report(
+    rows: list[dict], results: list, times: list[tuple[float, float]], embed_times: list[float]
+) -> dict:
     routed = [(r, res) for r, res in zip(rows, results, strict=True) if r["route"]]
     correct = sum(res[0] == r["route"] for r, res in routed)
     confusion = collections.Counter((r["route"], res[0]) for r, res in routed)
@@ -118,7 +126,7 @@ def report(rows: list[dict], results: list, times: list[tuple[float, float]],
         },
         "wrong": sorted(
             f"{r['id']}: {r['route']} -> {res[0]}" for r, res in routed if res[0] != r["route"]
-        ),  # fmt: skip
+        ),
         "confusion": {f"{a}->{b}": n for (a, b), n in sorted(confusion.items(), key=str)},
         "pii": guard_scores(rows, guards, "pii", "pii"),
         "jailbreak": guard_scores(rows, guards, "jailbreak", "jailbreak"),
@@ -139,25 +147,33 @@ def main() -> None:
 
     torch.set_num_threads(1)  # as the cache service runs it
     out = asyncio.run(evaluate(args.config, load_rows(args.data), args.passes))
-    print(f"requests {out['requests']}, routed {out['routed']}: "
-          f"routing accuracy {out['routing_accuracy']:.3f}")  # fmt: skip
+    print(
+        f"requests {out['requests']}, routed {out['routed']}: "
+        f"routing accuracy {out['routing_accuracy']:.3f}"
+    )
     for route, acc in out["per_route"].items():
         print(f"  {route:<10} {acc:.3f}")
     for name in ("pii", "jailbreak"):
         g = out[name]
-        print(f"{name:<10} precision {g['precision']:.3f} recall {g['recall']:.3f} "
-              f"(tp {g['tp']}, fp {g['fp']}, fn {g['fn']})")  # fmt: skip
+        print(
+            f"{name:<10} precision {g['precision']:.3f} recall {g['recall']:.3f} "
+            f"(tp {g['tp']}, fp {g['fp']}, fn {g['fn']})"
+        )
     r = out["router_ms"]
     c = out["router_cpu_ms"]
-    print(f"router added latency p50 {r['p50']:.3f} ms, p99 {r['p99']:.3f} ms wall; "
-          f"p50 {c['p50']:.3f} ms, p99 {c['p99']:.3f} ms CPU ({r['n']} decisions); "
-          f"embedding one text p50 {out['embed_ms_one_text']['p50']:.1f} ms")  # fmt: skip
+    print(
+        f"router added latency p50 {r['p50']:.3f} ms, p99 {r['p99']:.3f} ms wall; "
+        f"p50 {c['p50']:.3f} ms, p99 {c['p99']:.3f} ms CPU ({r['n']} decisions); "
+        f"embedding one text p50 {out['embed_ms_one_text']['p50']:.1f} ms"
+    )
     if out["wrong"]:
         print("misrouted:", *out["wrong"], sep="\n  ")
     for name in ("pii", "jailbreak"):
         if out[name]["missed"] or out[name]["false_positives"]:
-            print(f"{name} missed: {out[name]['missed']}; false positives: "
-                  f"{out[name]['false_positives']}")  # fmt: skip
+            print(
+                f"{name} missed: {out[name]['missed']}; false positives: "
+                f"{out[name]['false_positives']}"
+            )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

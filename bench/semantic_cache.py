@@ -67,10 +67,14 @@ def accuracy() -> float:
         ok = np.array([conflict(facts(p["a"]), facts(p["b"])) is None for p in pairs])
         per_pair_us = (time.perf_counter() - t0) / len(pairs) * 1e6
         hit = np.array([p["label"] == "hit" for p in pairs])
-        print(f"\n{name}: {hit.sum()} paraphrases, {(~hit).sum()} hard negatives; second check "
-              f"{per_pair_us:.0f} us a pair")  # fmt: skip
-        print(f"{'threshold':>9} | {'hits (embedding)':>16} {'false hits':>10} | "
-              f"{'hits (+ check)':>14} {'false hits':>10}")  # fmt: skip
+        print(
+            f"\n{name}: {hit.sum()} paraphrases, {(~hit).sum()} hard negatives; second check "
+            f"{per_pair_us:.0f} us a pair"
+        )
+        print(
+            f"{'threshold':>9} | {'hits (embedding)':>16} {'false hits':>10} | "
+            f"{'hits (+ check)':>14} {'false hits':>10}"
+        )
         for t in THRESHOLDS:
             above = cos >= t
             passed = above & ok
@@ -78,8 +82,11 @@ def accuracy() -> float:
             print(f"{t:>9.2f} | {row[0]:>16.1%} {row[1]:>10.1%} | {row[2]:>14.1%} {row[3]:>10.1%}")
             if name == "pairs" and row[3] <= 0.01 and (chosen is None or row[2] > chosen[1]):
                 chosen = (t, row[2], row[3])
-        missed = [p for p, c, g in zip(pairs, cos, ok, strict=True)
-                  if p["label"] == "miss" and g and c >= 0.80]  # fmt: skip
+        missed = [
+            p
+            for p, c, g in zip(pairs, cos, ok, strict=True)
+            if p["label"] == "miss" and g and c >= 0.80
+        ]
         if missed:
             kinds = {}
             for p in missed:
@@ -100,8 +107,12 @@ async def _latency(base: str, rounds: int) -> None:
     statuses = {"semantic": []}
 
     async def ask(http, text: str, bypass: bool = False):
-        body = {"model": "demo", "messages": [{"role": "user", "content": text}],
-                "temperature": 0, "max_tokens": 16}  # fmt: skip
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "temperature": 0,
+            "max_tokens": 16,
+        }
         headers = {"x-epd-cache": "bypass"} if bypass else {}
         t0 = time.perf_counter()
         resp = await http.post("/v1/chat/completions", json=body, headers=headers)
@@ -133,9 +144,11 @@ async def _latency(base: str, rounds: int) -> None:
     sem = statuses["semantic"]
     print(f"  paraphrases answered from the cache: {sem.count('hit-semantic')} of {len(sem)}")
     added = pct(out["miss (cache on)"], 50) - pct(out["miss (bypassed)"], 50)
-    print(f"  a miss's added cost p50: {added:+.2f} ms (goal <= 3); hit p50: exact "
-          f"{pct(out['exact'], 50):.2f} ms, semantic "
-          f"{pct(out['semantic'], 50) if out['semantic'] else float('nan'):.2f} ms (goal <= 15)")  # fmt: skip
+    print(
+        f"  a miss's added cost p50: {added:+.2f} ms (goal <= 3); hit p50: exact "
+        f"{pct(out['exact'], 50):.2f} ms, semantic "
+        f"{pct(out['semantic'], 50) if out['semantic'] else float('nan'):.2f} ms (goal <= 15)"
+    )
 
 
 def latency(rounds: int, pin: bool, aggregated: bool = False) -> None:
@@ -157,8 +170,9 @@ def latency(rounds: int, pin: bool, aggregated: bool = False) -> None:
             gateway, last = "gateway-0", max(cores)
             mine, others = ({last}, cores - {last}) if pin else (None, None)
             for role in ("encoder", "prefill", "decode", "cache"):
-                fleet.spawn(role, f"{role}-0", log_level="WARNING",
-                            cpus=mine if role == "cache" else others)  # fmt: skip
+                fleet.spawn(
+                    role, f"{role}-0", log_level="WARNING", cpus=mine if role == "cache" else others
+                )
             port = fleet.spawn("gateway", gateway, log_level="WARNING", cpus=others)
         fleet.wait_healthy(port, timeout_s=300)
         time.sleep(3)  # the cache service loads its model after NATS connects
@@ -223,17 +237,25 @@ def scale(entries: int) -> None:
     noise -= (noise * first[picks]).sum(1, keepdims=True) * first[picks]
     noise /= np.linalg.norm(noise, axis=1, keepdims=True)
     near = 0.85 * first[picks] + np.sqrt(1 - 0.85**2) * noise
-    found = sum(int(k) in {key for key, _ in index.search("fp", v, 8, 0.8)}
-                for k, v in zip(picks, near, strict=True))  # fmt: skip
+    found = sum(
+        int(k) in {key for key, _ in index.search("fp", v, 8, 0.8)}
+        for k, v in zip(picks, near, strict=True)
+    )
     per_entry = (graph + python_bytes) / entries
-    print(f"\n{entries:,} entries in one fingerprint (HNSW, usearch f16), vectors drawn like "
-          f"MiniLM's embeddings of {n_texts} real questions:")  # fmt: skip
+    print(
+        f"\n{entries:,} entries in one fingerprint (HNSW, usearch f16), vectors drawn like "
+        f"MiniLM's embeddings of {n_texts} real questions:"
+    )
     print(f"  index filled in bulk (a replica's rebuild, {os.cpu_count()} cores): {build:.0f} s")
-    print(f"  lookup p50 {pct(times, 50):.3f} ms, p99 {pct(times, 99):.3f} ms; one add (a store)"
-          f" p50 {pct(adds, 50):.2f} ms, p99 {pct(adds, 99):.2f} ms")  # fmt: skip
+    print(
+        f"  lookup p50 {pct(times, 50):.3f} ms, p99 {pct(times, 99):.3f} ms; one add (a store)"
+        f" p50 {pct(adds, 50):.2f} ms, p99 {pct(adds, 99):.2f} ms"
+    )
     print(f"  a stored vector asked at cosine 0.85 found: {found / 10:.1f} % of 1000")
-    print(f"  index memory {per_entry:.0f} B an entry (HNSW {graph / entries:.0f} B, key maps "
-          f"{python_bytes / entries:.0f} B)")  # fmt: skip
+    print(
+        f"  index memory {per_entry:.0f} B an entry (HNSW {graph / entries:.0f} B, key maps "
+        f"{python_bytes / entries:.0f} B)"
+    )
     asyncio.run(_redis_bytes())
 
 
@@ -253,23 +275,30 @@ async def _redis_bytes(n: int = 20_000) -> None:
         vec = np.ones(384, np.float32) / np.sqrt(384)
         blob = answer.SerializeToString()
         for i in range(n):
-            await store.put("f" * 64, f"{i:064x}", f"question number {i} about something", vec,
-                            blob, "", 3600)  # fmt: skip
+            await store.put(
+                "f" * 64, f"{i:064x}", f"question number {i} about something", vec, blob, "", 3600
+            )
         after = (await client.info("memory"))["used_memory"]
         await client.aclose()
         await store.close()
-    print(f"Redis: {(after - before) / n:.0f} B an entry (128-token answer, its vector, the "
-          f"exact key, the LRU and the change log)")  # fmt: skip
+    print(
+        f"Redis: {(after - before) / n:.0f} B an entry (128-token answer, its vector, the "
+        f"exact key, the LRU and the change log)"
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("accuracy", "latency", "scale"), action="append")
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--pin", action="store_true", help="latency: the cache service on a core "
-                    "of its own")  # fmt: skip
-    ap.add_argument("--aggregated", action="store_true", help="latency: `epd serve all` "
-                    "(one process) instead of the fleet")  # fmt: skip
+    ap.add_argument(
+        "--pin", action="store_true", help="latency: the cache service on a core of its own"
+    )
+    ap.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="latency: `epd serve all` (one process) instead of the fleet",
+    )
     ap.add_argument("--entries", type=int, default=1_000_000)
     args = ap.parse_args()
     parts = args.only or ["accuracy", "latency", "scale"]

@@ -75,10 +75,12 @@ def systems_for(group: str, args: argparse.Namespace) -> list[servers.System]:
     if group == "random":
         text = ckpt.text_checkpoint(cache)
         off = ["--no-response-cache"]  # no peer has one; random prompts never repeat
-        found = [servers.epd_system("epd-agg", text, t, True, off),
-                 servers.epd_system("epd-disagg", text, t, False, off),
-                 servers.vllm_system(args.peers_dir / "vllm", text, t),
-                 servers.llama_system(servers.llama_binary(args.peers_dir), _gguf(args, text), t, 64)]  # fmt: skip
+        found = [
+            servers.epd_system("epd-agg", text, t, True, off),
+            servers.epd_system("epd-disagg", text, t, False, off),
+            servers.vllm_system(args.peers_dir / "vllm", text, t),
+            servers.llama_system(servers.llama_binary(args.peers_dir), _gguf(args, text), t, 64),
+        ]
         if args.systems and "epd-agg-asyncio" in args.systems:  # uvloop's share, when named
             on_asyncio = servers.epd_system("epd-agg-asyncio", text, t, True, off)
             on_asyncio.env["EPD_EVENT_LOOP"] = "asyncio"
@@ -86,18 +88,23 @@ def systems_for(group: str, args: argparse.Namespace) -> list[servers.System]:
         return [s for s in found if s is not None]
     if group == "paraphrase":
         demo, text = Path(ckpt.demo_dir()), ckpt.text_words_checkpoint(cache)
-        return [servers.epd_system("epd-cache-on", demo, t, True, []),
-                servers.epd_system("epd-cache-off", demo, t, True, ["--no-response-cache"]),
-                servers.epd_system("llama-cache-on", text, t, True, []),
-                servers.epd_system("llama-cache-off", text, t, True, ["--no-response-cache"])]  # fmt: skip
+        return [
+            servers.epd_system("epd-cache-on", demo, t, True, []),
+            servers.epd_system("epd-cache-off", demo, t, True, ["--no-response-cache"]),
+            servers.epd_system("llama-cache-on", text, t, True, []),
+            servers.epd_system("llama-cache-off", text, t, True, ["--no-response-cache"]),
+        ]
     vlm = ckpt.vlm_checkpoint(cache)
     dummy = ["--load-format", "dummy", "--no-response-cache"]
-    return [servers.epd_system("epd-disagg", vlm, t, False, dummy),
-            servers.epd_system("epd-agg", vlm, t, True, dummy)]  # fmt: skip
+    return [
+        servers.epd_system("epd-disagg", vlm, t, False, dummy),
+        servers.epd_system("epd-agg", vlm, t, True, dummy),
+    ]
 
 
-def start_all(systems: list[servers.System], cpus: str, logdir: Path,
-              running: list[servers.Running]) -> None:  # fmt: skip
+def start_all(
+    systems: list[servers.System], cpus: str, logdir: Path, running: list[servers.Running]
+) -> None:
     """Start every server into ``running`` (so the caller stops whatever started, also
     after a failure), then wait until each is healthy (they load side by side). A peer
     that dies while starting is left out with its log's end; epd-serve's must start."""
@@ -115,8 +122,9 @@ def start_all(systems: list[servers.System], cpus: str, logdir: Path,
             running.remove(r)
 
 
-async def run_group(cases: list[Case], running: list[servers.Running], rounds: int,
-                    partial: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:  # fmt: skip
+async def run_group(
+    cases: list[Case], running: list[servers.Running], rounds: int, partial: Path
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """Every round, every case, every system (order rotating): case -> system -> documents,
     also written to ``partial`` after each run (a run cut short keeps what it measured)."""
     docs: dict[str, dict[str, list[dict[str, Any]]]] = {c.label: {} for c in cases}
@@ -129,8 +137,14 @@ async def run_group(cases: list[Case], running: list[servers.Running], rounds: i
                 t0 = time.monotonic()
                 run = f"{seed}-{r.system.name}"
                 doc = await run_case(r.system.base_url, r.system.model, case, seed, run)
-                log.info("round %d %s %s: %.0f s, %s", rnd, case.label, r.system.name,
-                         time.monotonic() - t0, _brief(doc["summary"]))  # fmt: skip
+                log.info(
+                    "round %d %s %s: %.0f s, %s",
+                    rnd,
+                    case.label,
+                    r.system.name,
+                    time.monotonic() - t0,
+                    _brief(doc["summary"]),
+                )
                 docs[case.label].setdefault(r.system.name, []).append(doc)
                 partial.write_text(json.dumps(docs, default=str) + "\n")
     return docs
@@ -140,8 +154,10 @@ async def same_tokens(running: list[servers.Running]) -> dict[str, list[str]]:
     """Each server's greedy continuation of one fixed prompt; a warning when they differ
     (the systems must run the same model for the figures to compare)."""
     ids = list(range(1000, 1032))
-    words = {r.system.name: await greedy_words(r.system.base_url, r.system.model, ids, 16)
-             for r in running}  # fmt: skip
+    words = {
+        r.system.name: await greedy_words(r.system.base_url, r.system.model, ids, 16)
+        for r in running
+    }
     if len({tuple(w) for w in words.values()}) > 1:
         log.warning("greedy outputs differ between systems: %s", words)
     else:
@@ -153,14 +169,18 @@ async def same_tokens(running: list[servers.Running]) -> dict[str, list[str]]:
 
 def _brief(summary: dict[str, Any]) -> str:
     row = row_of(summary)
-    return (f"{row['output_throughput']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.1f} ms, "
-            f"failed {row['failed']}")  # fmt: skip
+    return (
+        f"{row['output_throughput']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.1f} ms, "
+        f"failed {row['failed']}"
+    )
 
 
 def medians_of(docs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     """case -> system -> the medians over rounds of the table's figures."""
-    return {label: {name: median_rows([row_of(d["summary"]) for d in ds])
-                    for name, ds in runs.items()} for label, runs in docs.items()}  # fmt: skip
+    return {
+        label: {name: median_rows([row_of(d["summary"]) for d in ds]) for name, ds in runs.items()}
+        for label, runs in docs.items()
+    }
 
 
 def run_one_group(group: str, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -247,12 +267,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS))
-    p.add_argument("--threads", type=int, choices=(1, 2), default=1,
-                   help="server threads: 1 (core 0; client on core 1) or 2 (both cores)")  # fmt: skip
-    p.add_argument("--systems", nargs="+", default=None,
-                   help="only these systems (epd-agg epd-disagg vllm llama.cpp ...)")  # fmt: skip
-    p.add_argument("--cases", nargs="+", default=None,
-                   help="only cases whose label contains one of these, e.g. c64 '4 img'")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="server threads: 1 (core 0; client on core 1) or 2 (both cores)",
+    )
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=None,
+        help="only these systems (epd-agg epd-disagg vllm llama.cpp ...)",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        help="only cases whose label contains one of these, e.g. c64 '4 img'",
+    )
     p.add_argument("--rounds", type=int, default=2, help="rounds of every case (2)")
     p.add_argument("--quick", action="store_true", help="few requests, 1 round (smoke)")
     p.add_argument("--peers-dir", type=Path, default=Path("/tmp/peers"), help="peer venvs")
@@ -272,9 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     _pin_client(args.threads)
-    result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()},
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "groups": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "groups": {},
+    }
     for group in args.groups:
         got = run_tools_group(args) if group == "tools" else run_one_group(group, args)
         if got is not None:  # written after each group: a later failure keeps the earlier

@@ -95,8 +95,14 @@ def offline_table(target_dir: Path, heads: dict, prompts, new: int) -> list[dict
     for method, make in _proposers(heads, target.config).items():
         for k in KS:
             acc = replay(make(), refs, k)
-            rows.append({"method": method, "k": k, "mean_acceptance_length": round(acc.mean_length, 3),
-                         "acceptance_by_position": acc.by_position()})  # fmt: skip
+            rows.append(
+                {
+                    "method": method,
+                    "k": k,
+                    "mean_acceptance_length": round(acc.mean_length, 3),
+                    "acceptance_by_position": acc.by_position(),
+                }
+            )
             log.info("offline %-8s k=%d  mean acceptance length %.2f", method, k, acc.mean_length)
     return rows
 
@@ -107,8 +113,11 @@ def _proposers(heads: dict, target_config) -> dict:
     def eagle(kind: str, parallel: bool):
         return lambda: Eagle3Proposer(Eagle3Head.from_pretrained(heads[kind]), parallel)
 
-    return {"ngram": lambda: NgramProposer(1, 4), "eagle3": eagle("eagle3", False),
-            "p-eagle": eagle("peagle", True)}  # fmt: skip
+    return {
+        "ngram": lambda: NgramProposer(1, 4),
+        "eagle3": eagle("eagle3", False),
+        "p-eagle": eagle("peagle", True),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,10 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from transformers import AutoTokenizer
 
-    prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(target_dir)), args.prompts,
-                               args.prompt_len)  # fmt: skip
-    report = {"target": str(target_dir), "heads": {k: str(v) for k, v in heads.items()},
-              "offline": offline_table(target_dir, heads, prompts, args.new)}  # fmt: skip
+    prompts = held_out_prompts(
+        AutoTokenizer.from_pretrained(str(target_dir)), args.prompts, args.prompt_len
+    )
+    report = {
+        "target": str(target_dir),
+        "heads": {k: str(v) for k, v in heads.items()},
+        "offline": offline_table(target_dir, heads, prompts, args.new),
+    }
     if not args.offline_only:
         report["engine"] = run_engine_suite(target_dir, heads, prompts, args.new, args.rounds, KS)
     text = json.dumps(report, indent=2)

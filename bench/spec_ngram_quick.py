@@ -74,12 +74,16 @@ def main() -> None:
             times[name].append(seconds)
     rate = {name: args.tokens / statistics.median(t) for name, t in times.items()}
     stats = spec.engine.spec.stats
-    print(f"prompt {len(prompt)} tokens, {args.tokens} generated, k={args.k}, "
-          f"{args.rounds} interleaved rounds (median)")  # fmt: skip
+    print(
+        f"prompt {len(prompt)} tokens, {args.tokens} generated, k={args.k}, "
+        f"{args.rounds} interleaved rounds (median)"
+    )
     print(f"plain  {rate['plain']:8.1f} tok/s")
     print(f"ngram  {rate['ngram']:8.1f} tok/s   speed-up {rate['ngram'] / rate['plain']:.2f}x")
-    print(f"mean acceptance length {stats.mean_acceptance_length:.2f}, acceptance by "
-          f"position {[round(a, 2) for a in stats.acceptance_by_position()]}")  # fmt: skip
+    print(
+        f"mean acceptance length {stats.mean_acceptance_length:.2f}, acceptance by "
+        f"position {[round(a, 2) for a in stats.acceptance_by_position()]}"
+    )
     print(f"tokens identical: {outs['plain'] == outs['ngram']}")
 
 

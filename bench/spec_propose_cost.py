@@ -34,8 +34,10 @@ def timed_proposes(prop: Eagle3Proposer, batch: int, k: int, rounds: int) -> lis
     c = prop.head.cfg
     width = len(c.aux_layer_ids) * c.target_hidden_size
     gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, c.vocab_size, (64 + 4 * rounds,), generator=gen).tolist()
-           for _ in range(batch)]  # fmt: skip
+    ids = [
+        torch.randint(0, c.vocab_size, (64 + 4 * rounds,), generator=gen).tolist()
+        for _ in range(batch)
+    ]
     lens = [64] * batch
     prop.propose(
         [ProposeInput(f"r{i}", ids[i][:64], torch.randn(63, width)) for i in range(batch)], k
@@ -77,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                         timed_proposes(prop, b, k, 5)  # warm-up
                         got[mode] += timed_proposes(prop, b, k, args.proposes)
                 t, n = (1e3 * statistics.median(got[m]) for m in ("torch", "native"))
-                print(f"{kind:7s} batch {b} k={k}: propose torch {t:.2f} ms, native {n:.2f} ms "
-                      f"({n / t:.2f}x)")  # fmt: skip
+                print(
+                    f"{kind:7s} batch {b} k={k}: propose torch {t:.2f} ms, native {n:.2f} ms "
+                    f"({n / t:.2f}x)"
+                )
         if args.profile:
             from torch.profiler import profile
 

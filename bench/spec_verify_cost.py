@@ -99,8 +99,10 @@ def _head_timers(llm: LLM, rows: int) -> dict:
 
         return run
 
-    return {"head": timed(lambda: backend.greedy_head(x, w)),
-            "torch head": timed(lambda: torch.nn.functional.linear(x, w).argmax(-1))}  # fmt: skip
+    return {
+        "head": timed(lambda: backend.greedy_head(x, w)),
+        "torch head": timed(lambda: torch.nn.functional.linear(x, w).argmax(-1)),
+    }
 
 
 def _median_ms(timers: dict, reps: int) -> dict[str, float]:
@@ -127,24 +129,34 @@ def main() -> None:
     print(f"model {args.model}, context {args.context}, 1 thread, median of {args.reps}")
     with torch.inference_mode():
         if args.rows:
-            t = _median_ms({r: _timer(llm, r, 1, args.context, "plain") for r in args.rows},
-                           args.reps)  # fmt: skip
+            t = _median_ms(
+                {r: _timer(llm, r, 1, args.context, "plain") for r in args.rows}, args.reps
+            )
             base = t[args.rows[0]]
-            print("one-call step of R one-token sequences: " + ", ".join(
-                f"R={r} {ms:.3f} ms ({ms / base:.2f}x)" for r, ms in t.items()))  # fmt: skip
+            print(
+                "one-call step of R one-token sequences: "
+                + ", ".join(f"R={r} {ms:.3f} ms ({ms / base:.2f}x)" for r, ms in t.items())
+            )
         for b in args.batch:
             for k in args.k:
                 q = k + 1
-                t = _median_ms({"plain": _timer(llm, b, 1, args.context, "plain"),
-                                "native": _timer(llm, b, q, args.context, "native"),
-                                "layers": _timer(llm, b, q, args.context, "layers"),
-                                "extend": _timer(llm, b, q, args.context, "extend"),
-                                **_head_timers(llm, b * q)},
-                               args.reps)  # fmt: skip
-                print(f"batch {b} k={k} ({b * q} rows): plain {t['plain']:.3f} ms; verify " +
-                      ", ".join(f"{m} {t[m]:.3f} ms ({t[m] / t['plain']:.2f}x)"
-                                for m in ("native", "layers", "extend", "head",
-                                          "torch head")))  # fmt: skip
+                t = _median_ms(
+                    {
+                        "plain": _timer(llm, b, 1, args.context, "plain"),
+                        "native": _timer(llm, b, q, args.context, "native"),
+                        "layers": _timer(llm, b, q, args.context, "layers"),
+                        "extend": _timer(llm, b, q, args.context, "extend"),
+                        **_head_timers(llm, b * q),
+                    },
+                    args.reps,
+                )
+                print(
+                    f"batch {b} k={k} ({b * q} rows): plain {t['plain']:.3f} ms; verify "
+                    + ", ".join(
+                        f"{m} {t[m]:.3f} ms ({t[m] / t['plain']:.2f}x)"
+                        for m in ("native", "layers", "extend", "head", "torch head")
+                    )
+                )
 
 
 if __name__ == "__main__":

@@ -76,11 +76,17 @@ def thread_groups(names: list[str]) -> dict[int, list[str]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-python", type=Path, help="vLLM's interpreter; without it, ours only")
-    ap.add_argument("--workloads", default=",".join(workloads.DEFAULT),
-                    help=f"comma-separated, of: {', '.join(workloads.NAMES)}")  # fmt: skip
-    ap.add_argument("--base-root", type=Path,
-                    help="A/B: also run our engine from this checkout (e.g. /work/main) as "
-                         "'base'; ours/base ratios are printed")  # fmt: skip
+    ap.add_argument(
+        "--workloads",
+        default=",".join(workloads.DEFAULT),
+        help=f"comma-separated, of: {', '.join(workloads.NAMES)}",
+    )
+    ap.add_argument(
+        "--base-root",
+        type=Path,
+        help="A/B: also run our engine from this checkout (e.g. /work/main) as "
+        "'base'; ours/base ratios are printed",
+    )
     ap.add_argument(
         "--ours-config",
         type=json.loads,
@@ -93,8 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpus", default="0", help="taskset CPU list at 1 thread")
     ap.add_argument("--cpus2", default="0,1", help="taskset CPU list at 2 threads")
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/peers/ckpt"))
-    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/vs_vllm_logs"),
-                    help="each worker's stderr")  # fmt: skip
+    ap.add_argument(
+        "--log-dir", type=Path, default=Path("/tmp/vs_vllm_logs"), help="each worker's stderr"
+    )
     args = ap.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in args.workloads if w not in workloads.NAMES]
@@ -112,21 +119,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Worker:
     """One system's worker process, pinned with taskset."""
 
-    def __init__(self, name: str, python: Path, model: Path, threads: int, cpus: str,
-                 log: Path, root: Path = HERE.parent, config: dict | None = None) -> None:  # fmt: skip
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1",
-                   VLLM_NO_USAGE_STATS="1", OMP_NUM_THREADS=str(threads),
-                   PYTHONPATH=str(root))  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        python: Path,
+        model: Path,
+        threads: int,
+        cpus: str,
+        log: Path,
+        root: Path = HERE.parent,
+        config: dict | None = None,
+    ) -> None:
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            DO_NOT_TRACK="1",
+            VLLM_NO_USAGE_STATS="1",
+            OMP_NUM_THREADS=str(threads),
+            PYTHONPATH=str(root),
+        )
         if name == "vllm":
             env.update(_vllm_env(python, threads, cpus))
-        argv = ["taskset", "-c", cpus, str(python), str(HERE / "_vs_vllm_worker.py"),
-                "--system", "vllm" if name == "vllm" else "ours", "--model", str(model),
-                "--threads", str(threads), "--config", json.dumps(config or {})]  # fmt: skip
+        argv = [
+            "taskset",
+            "-c",
+            cpus,
+            str(python),
+            str(HERE / "_vs_vllm_worker.py"),
+            "--system",
+            "vllm" if name == "vllm" else "ours",
+            "--model",
+            str(model),
+            "--threads",
+            str(threads),
+            "--config",
+            json.dumps(config or {}),
+        ]
         self.name, self.log = name, log
         # Its own session: the CPU time of its whole tree can be read (``cpu_seconds``).
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, text=True,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"),
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.PIPE,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            start_new_session=True,
+        )
         self.config = self._reply()["ready"]
 
     def run(self, name: str) -> dict:
@@ -173,9 +213,12 @@ class Worker:
 
 def _vllm_env(python: Path, threads: int, cpus: str) -> dict[str, str]:
     """vLLM's CPU settings (../shared/peers.md): its OpenMP threads bound to ``cpus``."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": _bind(cpus, threads),
-           # 0.32.0's AOT compile cache does not load back; its inductor cache does.
-           "VLLM_USE_AOT_COMPILE": "0"}  # fmt: skip
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": _bind(cpus, threads),
+        # 0.32.0's AOT compile cache does not load back; its inductor cache does.
+        "VLLM_USE_AOT_COMPILE": "0",
+    }
     tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if tcmalloc.exists() and iomp.exists():  # what vLLM asks for; it also runs without
@@ -188,8 +231,9 @@ def _bind(cpus: str, threads: int) -> str:
     return cpus if threads > 1 else cpus.replace("-", ",").split(",")[0]
 
 
-def run_group(args, model: Path, threads: int, names: list[str],
-              results: dict[str, Result]) -> None:  # fmt: skip
+def run_group(
+    args, model: Path, threads: int, names: list[str], results: dict[str, Result]
+) -> None:
     """Load each system at ``threads`` threads once, then alternate them over the rounds."""
     cpus = args.cpus if threads == 1 else args.cpus2
     rounds = args.rounds if threads == 1 else args.rounds2
@@ -205,8 +249,11 @@ def run_group(args, model: Path, threads: int, names: list[str],
             t0 = time.perf_counter()
             log = args.log_dir / f"{name}-t{threads}.log"
             workers.append(Worker(name, python, model, threads, cpus, log, root, config))
-            print(f"[{threads} thread(s), taskset {cpus}] {name} loaded in "
-                  f"{time.perf_counter() - t0:.0f} s: {workers[-1].config}", flush=True)  # fmt: skip
+            print(
+                f"[{threads} thread(s), taskset {cpus}] {name} loaded in "
+                f"{time.perf_counter() - t0:.0f} s: {workers[-1].config}",
+                flush=True,
+            )
         for r in range(rounds):
             order = workers if r % 2 == 0 else workers[::-1]
             for name in names:
@@ -234,8 +281,11 @@ def _one_round(name: str, order: list[Worker], res: Result) -> None:
         digests[w.name] = reply["digest"]
         # The idle system is stopped: its CPU time during the other's run shows it was.
         busy = sum(o.cpu_seconds() for o in idle) - sum(before)
-        print(f"  {name:<8} {w.name:<5} {rate:8.1f} tok/s ({reply['seconds']:.1f} s; "
-              f"the other system used {busy:.1f} CPU s meanwhile)", flush=True)  # fmt: skip
+        print(
+            f"  {name:<8} {w.name:<5} {rate:8.1f} tok/s ({reply['seconds']:.1f} s; "
+            f"the other system used {busy:.1f} CPU s meanwhile)",
+            flush=True,
+        )
     for other, attr in (("vllm", "agree"), ("base", "agree_base")):
         if other in digests:
             a, b = digests["ours"], digests[other]
@@ -248,20 +298,26 @@ def _rounds(xs: list[float]) -> str:
 
 def report(results: dict[str, Result]) -> None:
     """Each workload's rates and ratio, then the goals of issue 14 (met or not)."""
-    print("\nworkload                  ours tok/s (rounds)          vLLM tok/s (rounds)"
-          "          ratio (per-round spread)  outputs equal")  # fmt: skip
+    print(
+        "\nworkload                  ours tok/s (rounds)          vLLM tok/s (rounds)"
+        "          ratio (per-round spread)  outputs equal"
+    )
     for name, res in results.items():
         line = f"{name:<9} {max(res.ours):9.1f} ({_rounds(res.ours)})"
         if res.vllm:
             best, low, high = ratio_stats(res.ours, res.vllm)
             agree = f"{res.agree[0]}/{res.agree[1]}" if res.agree else "-"
-            line += (f"  {max(res.vllm):9.1f} ({_rounds(res.vllm)})  {best:5.2f}x "
-                     f"({low:.2f}-{high:.2f})  {agree}")  # fmt: skip
+            line += (
+                f"  {max(res.vllm):9.1f} ({_rounds(res.vllm)})  {best:5.2f}x "
+                f"({low:.2f}-{high:.2f})  {agree}"
+            )
         if res.base:
             best, low, high = ratio_stats(res.ours, res.base)
             agree = f"{res.agree_base[0]}/{res.agree_base[1]}"
-            line += (f"\n          base {max(res.base):9.1f} ({_rounds(res.base)}): ours/base "
-                     f"{best:5.2f}x ({low:.2f}-{high:.2f}), outputs equal {agree}")  # fmt: skip
+            line += (
+                f"\n          base {max(res.base):9.1f} ({_rounds(res.base)}): ours/base "
+                f"{best:5.2f}x ({low:.2f}-{high:.2f}), outputs equal {agree}"
+            )
         print(f"{line}\n          {workloads.build(name).title}")
     if not any(res.vllm for res in results.values()):
         return
@@ -272,8 +328,10 @@ def report(results: dict[str, Result]) -> None:
             print(f"  {'MET ' if best >= target else 'MISS'} {name}: {best:.2f}x (>= {target}x)")
     ours, theirs = scaling(results, "ours"), scaling(results, "vllm")
     if ours is not None and theirs is not None:
-        print(f"  {'MET ' if ours >= theirs else 'MISS'} 2-thread / 1-thread on 64 x 128: "
-              f"ours {ours:.2f}x, vLLM {theirs:.2f}x (ours >= vLLM's)")  # fmt: skip
+        print(
+            f"  {'MET ' if ours >= theirs else 'MISS'} 2-thread / 1-thread on 64 x 128: "
+            f"ours {ours:.2f}x, vLLM {theirs:.2f}x (ours >= vLLM's)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

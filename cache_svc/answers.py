@@ -78,25 +78,41 @@ class AnswerStore:
         for key in keys:
             pipe.hmget(_entry(key), "fp", "q", "a")
         rows = await pipe.execute()
-        return [Entry(k, fp.decode(), q.decode(), a) if a is not None else None
-                for k, (fp, q, a) in zip(keys, rows, strict=True)]  # fmt: skip
+        return [
+            Entry(k, fp.decode(), q.decode(), a) if a is not None else None
+            for k, (fp, q, a) in zip(keys, rows, strict=True)
+        ]
 
-    async def put(self, fingerprint: str, exact_key: str, question: str, vector: np.ndarray,
-                  answer: bytes, tenant: str, ttl_s: int) -> int:  # fmt: skip
+    async def put(
+        self,
+        fingerprint: str,
+        exact_key: str,
+        question: str,
+        vector: np.ndarray,
+        answer: bytes,
+        tenant: str,
+        ttl_s: int,
+    ) -> int:
         """Store one entry; returns its key."""
         key, now = secrets.randbits(63), time.time()
         vec = np.asarray(vector, np.float32).tobytes()
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(_entry(key), mapping={"fp": fingerprint, "q": question, "v": vec, "a": answer,
-                                        "t": tenant})  # fmt: skip
+        pipe.hset(
+            _entry(key),
+            mapping={"fp": fingerprint, "q": question, "v": vec, "a": answer, "t": tenant},
+        )
         pipe.expire(_entry(key), ttl_s)
         pipe.set(f"{PREFIX}:x:{exact_key}", key, ex=ttl_s)
         pipe.zadd(LRU, {key: now})
         if tenant:
             pipe.zadd(_tenant(tenant), {key: now})
             pipe.expire(_tenant(tenant), ttl_s)
-        pipe.xadd(LOG, {"op": "add", "k": key, "fp": fingerprint, "v": vec}, maxlen=_LOG_LEN,
-                  approximate=True)  # fmt: skip
+        pipe.xadd(
+            LOG,
+            {"op": "add", "k": key, "fp": fingerprint, "v": vec},
+            maxlen=_LOG_LEN,
+            approximate=True,
+        )
         await pipe.execute()
         return key
 

@@ -57,13 +57,19 @@ class SemanticCacheConfig(FromEnv):
     def __post_init__(self) -> None:
         if not 0.0 < self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in (0, 1], got {self.cache_threshold}")
-        for name in ("cache_ttl_s", "cache_max_entries", "cache_lookup_timeout_ms",
-                     "cache_exact_timeout_ms",
-                     "cache_store_timeout_ms", "cache_ann_from"):  # fmt: skip
+        for name in (
+            "cache_ttl_s",
+            "cache_max_entries",
+            "cache_lookup_timeout_ms",
+            "cache_exact_timeout_ms",
+            "cache_store_timeout_ms",
+            "cache_ann_from",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.cache_embed_dtype not in EMBED_DTYPES:
-            raise ValueError(f"cache_embed_dtype must be one of {EMBED_DTYPES}, got "
-                             f"{self.cache_embed_dtype!r}")  # fmt: skip
+            raise ValueError(
+                f"cache_embed_dtype must be one of {EMBED_DTYPES}, got {self.cache_embed_dtype!r}"
+            )
         if self.cache_tenant_quota < 0 or (self.cache_head_start_ms or 0) < 0:
             raise ValueError("cache_tenant_quota and cache_head_start_ms must be >= 0")

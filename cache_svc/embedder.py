@@ -64,8 +64,9 @@ class SentenceEmbedder:
 
     @torch.inference_mode()
     def __call__(self, texts: list[str]) -> np.ndarray:
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS,
-                               return_tensors="pt")  # fmt: skip
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+        )
         hidden = self.forward(batch["input_ids"], batch["attention_mask"])
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

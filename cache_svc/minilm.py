@@ -132,4 +132,4 @@ def _layer(layer: torch.nn.Module, dense: DenseMaker) -> _Layer:
         up=dense(layer.intermediate.dense.weight, layer.intermediate.dense.bias, True),
         down=dense(layer.output.dense.weight, layer.output.dense.bias, False),
         ln2=(layer.output.LayerNorm.weight, layer.output.LayerNorm.bias),
-    )  # fmt: skip
+    )

@@ -218,8 +218,9 @@ class SemanticCache:
                 continue
             answer = bus_pb2.CachedAnswer.FromString(entry.answer)
             if fits(answer, q.max_tokens):
-                return bus_pb2.CacheLookupReply(hit=True, tier="semantic", similarity=score,
-                                                answer=answer)  # fmt: skip
+                return bus_pb2.CacheLookupReply(
+                    hit=True, tier="semantic", similarity=score, answer=answer
+                )
         return bus_pb2.CacheLookupReply()
 
     async def _answer(self, key: int, q: bus_pb2.CacheQuery) -> bus_pb2.CachedAnswer | None:
@@ -235,12 +236,20 @@ class SemanticCache:
             check_query(q)
             check_answer(req.answer)
             vec = await embedding_of(q, self.embed) if q.text else np.zeros(DIM, np.float32)
-            key = await self.store.put(q.fingerprint, q.exact_key, q.text, vec,
-                                       req.answer.SerializeToString(), q.tenant, c.cache_ttl_s)  # fmt: skip
+            key = await self.store.put(
+                q.fingerprint,
+                q.exact_key,
+                q.text,
+                vec,
+                req.answer.SerializeToString(),
+                q.tenant,
+                c.cache_ttl_s,
+            )
             if q.text:
                 self._add(q.fingerprint, key, vec)
-            await self.store.evict(c.cache_ttl_s, c.cache_max_entries, q.tenant,
-                                   c.cache_tenant_quota)  # fmt: skip
+            await self.store.evict(
+                c.cache_ttl_s, c.cache_max_entries, q.tenant, c.cache_tenant_quota
+            )
         except Exception as e:
             log.warning("semantic cache store failed: %s", e)
             SEMANTIC_CACHE_STORES.labels("error").inc()

@@ -56,18 +56,24 @@ class CacheService(Service):
 
     async def register(self) -> None:
         # Any replica answers: the drain leaves both queue groups to the others.
-        for subject, handler in ((subjects.CACHE_LOOKUP, self._on_lookup),
-                                 (subjects.CACHE_STORE, self._on_store)):  # fmt: skip
-            await self.serve_work(subject, handler, queue=subjects.QUEUE_CACHE,
-                                  max_concurrency=256)  # fmt: skip
+        for subject, handler in (
+            (subjects.CACHE_LOOKUP, self._on_lookup),
+            (subjects.CACHE_STORE, self._on_store),
+        ):
+            await self.serve_work(subject, handler, queue=subjects.QUEUE_CACHE, max_concurrency=256)
         # Full lookups sent here because this replica is embedding their text (named in
         # the exact miss's reply); taken while draining too: that embedding is under way.
-        await self.serve_work(subjects.cache_lookup_at(self.instance_id), self._on_lookup,
-                              max_concurrency=256, while_draining=True)  # fmt: skip
+        await self.serve_work(
+            subjects.cache_lookup_at(self.instance_id),
+            self._on_lookup,
+            max_concurrency=256,
+            while_draining=True,
+        )
         # The semantic router's embeddings share the cache's batcher (one model pass).
         self._embed = EmbedHandler(self.cache.embed)
-        await self.serve_work(subjects.cache("embed"), self._on_embed,
-                              queue=subjects.QUEUE_CACHE, max_concurrency=256)  # fmt: skip
+        await self.serve_work(
+            subjects.cache("embed"), self._on_embed, queue=subjects.QUEUE_CACHE, max_concurrency=256
+        )
         log.info("cache %s holds %d entries", self.instance_id, len(self.cache.index))
 
     async def _on_lookup(self, msg: Incoming) -> None:

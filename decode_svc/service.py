@@ -43,8 +43,13 @@ class DecodeService(EngineService):
 
     async def _register(self, llm: LLMEngine) -> None:
         m = llm.model
-        layout = (llm.loaded.num_layers, llm.config.block_size, m.num_kv_heads, m.head_dim,
-                  dtype_name(llm.loaded.dtype))  # fmt: skip
+        layout = (
+            llm.loaded.num_layers,
+            llm.config.block_size,
+            m.num_kv_heads,
+            m.head_dim,
+            dtype_name(llm.loaded.dtype),
+        )
         self.receiver = NatsKVReceiver(self.bus, self.instance_id, layout)
         await self.receiver.start()
         # Served while draining: a hand-off continues a request admitted before the drain.
@@ -62,17 +67,23 @@ class DecodeService(EngineService):
         rid, llm = req.request_id, self.engine.engine
         bind_request(rid)
         if req.image_spans or req.decode_instance_id != self.instance_id:
-            return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT,
-                         "a decode instance prefills only text prompts it decodes itself")  # fmt: skip
+            return error(
+                bus_pb2.ERROR_CODE_INVALID_ARGUMENT,
+                "a decode instance prefills only text prompts it decodes itself",
+            )
         if rid in self.aborted:
             return error(bus_pb2.ERROR_CODE_ABORTED, f"request {rid} was aborted")
         self.routes[rid] = req
         try:
             params = params_from_proto(req.sampling)
-            await self.engine.call(lambda: llm.add_request(
-                rid, {"prompt_token_ids": list(req.prompt_token_ids)}, params,
-                resume=list(req.output_token_ids),
-            ))  # fmt: skip
+            await self.engine.call(
+                lambda: llm.add_request(
+                    rid,
+                    {"prompt_token_ids": list(req.prompt_token_ids)},
+                    params,
+                    resume=list(req.output_token_ids),
+                )
+            )
         except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
@@ -91,9 +102,10 @@ class DecodeService(EngineService):
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         if not reserved:
             self.receiver.refuse(req.kv_transfer_id, "no free KV blocks")
-            return error(bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
-                         f"decode {self.instance_id} has no room for {len(req.token_ids)} "
-                         "tokens of KV")  # fmt: skip
+            return error(
+                bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
+                f"decode {self.instance_id} has no room for {len(req.token_ids)} tokens of KV",
+            )
         problem = await self._import(req, params)
         if problem is not None:
             await self.engine.call(lambda: llm.release_import(rid))
@@ -105,8 +117,10 @@ class DecodeService(EngineService):
             timeout = timeout_for(req.deadline_unix_ms, "KV receive", self.config.bus_timeout_s)
             header, kv = await self.receiver.receive(req.kv_transfer_id, timeout)
             if (header.request_id, header.num_tokens) != (rid, len(req.token_ids)):
-                raise ValueError(f"KV of {header.request_id} ({header.num_tokens} tokens) does "
-                                 f"not belong to {rid} ({len(req.token_ids)} tokens)")  # fmt: skip
+                raise ValueError(
+                    f"KV of {header.request_id} ({header.num_tokens} tokens) does "
+                    f"not belong to {rid} ({len(req.token_ids)} tokens)"
+                )
         except BusError as e:
             return error(bus_pb2.ERROR_CODE_UNAVAILABLE, f"KV transfer failed: {e}")
         except ValueError as e:
@@ -119,16 +133,23 @@ class DecodeService(EngineService):
         self.routes[rid] = req
         try:
             aux = tensor_from_proto(req.aux_hidden) if req.HasField("aux_hidden") else None
-            await self.engine.call(lambda: llm.import_request(
-                rid, list(req.token_ids), req.num_prompt_tokens, req.first_token_id, params, kv,
-                first_lp, aux,
-            ))  # fmt: skip
+            await self.engine.call(
+                lambda: llm.import_request(
+                    rid,
+                    list(req.token_ids),
+                    req.num_prompt_tokens,
+                    req.first_token_id,
+                    params,
+                    kv,
+                    first_lp,
+                    aux,
+                )
+            )
         except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         self.adopted += 1
-        log.debug("decode adopted: %d tokens of KV from %s", len(req.token_ids),
-                  req.kv_transfer_id)  # fmt: skip
+        log.debug("decode adopted: %d tokens of KV from %s", len(req.token_ids), req.kv_transfer_id)
         return None
 
     def _on_outputs(self, outputs) -> None:
@@ -142,8 +163,9 @@ class DecodeService(EngineService):
             upd = self._update(req, out)
             if not out.finished and req.deadline_unix_ms and remaining_s(req.deadline_unix_ms) <= 0:
                 # Past its deadline the gateway has given up: stop spending steps on it.
-                upd.error.CopyFrom(error(bus_pb2.ERROR_CODE_DEADLINE_EXCEEDED,
-                                         "the request ran past its deadline"))  # fmt: skip
+                upd.error.CopyFrom(
+                    error(bus_pb2.ERROR_CODE_DEADLINE_EXCEEDED, "the request ran past its deadline")
+                )
                 self._spawn(self.engine.abort(out.request_id))
             if out.finished or upd.HasField("error"):
                 self.routes.pop(out.request_id, None)
@@ -158,10 +180,13 @@ class DecodeService(EngineService):
     def _update(req: bus_pb2.DecodeRequest | bus_pb2.PrefillRequest, out) -> bus_pb2.TokenUpdate:
         comp = out.outputs[0]
         new = comp.token_ids_delta
-        upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=new,
-                                  offset=len(comp.token_ids) - len(new),
-                                  num_cached_tokens=out.num_cached_tokens,
-                                  finish_reason=FINISH_TO_PROTO[comp.finish_reason])  # fmt: skip
+        upd = bus_pb2.TokenUpdate(
+            request_id=req.request_id,
+            token_ids=new,
+            offset=len(comp.token_ids) - len(new),
+            num_cached_tokens=out.num_cached_tokens,
+            finish_reason=FINISH_TO_PROTO[comp.finish_reason],
+        )
         if comp.logprobs is not None:
             n = req.sampling.logprobs if req.sampling.HasField("logprobs") else 0
             tail = comp.logprobs[len(comp.token_ids) - len(new) :]

@@ -86,8 +86,11 @@ class EncoderService(Service):
         self.blobs = BlobInbox(self.bus, self.instance_id, self.config.max_blob_mb << 20)
         await self.blobs.start()
         # The image was sent ahead to this instance: refused while draining.
-        await self.serve_work(subjects.encoder(self.fingerprint, self.instance_id), self._on_encode,
-                              bus_pb2.EncodeReply)  # fmt: skip
+        await self.serve_work(
+            subjects.encoder(self.fingerprint, self.instance_id),
+            self._on_encode,
+            bus_pb2.EncodeReply,
+        )
 
     def report_load(self) -> Load:
         """Handlers running, images queued, and tower passes done as the step count."""
@@ -126,8 +129,11 @@ class EncoderService(Service):
         log.debug("encode image %s", req.image_hash[:12])
         reply = bus_pb2.EncodeReply(image_hash=req.image_hash)
         if req.model_fingerprint != self.fingerprint:
-            return _failed(reply, _INVALID, f"encoder serves model {self.fingerprint}, "
-                                            f"not {req.model_fingerprint}")  # fmt: skip
+            return _failed(
+                reply,
+                _INVALID,
+                f"encoder serves model {self.fingerprint}, not {req.model_fingerprint}",
+            )
         try:
             reply.embedding_key = embedding_key(self.fingerprint, req.image_hash)
         except ValueError as e:
@@ -174,12 +180,20 @@ class EncoderService(Service):
 
     async def _push(self, req, reply: bus_pb2.EncodeReply, emb: torch.Tensor):
         if not req.prefill_instance_id or not req.embedding_transfer_id:
-            return _failed(reply, bus_pb2.ERROR_CODE_UNAVAILABLE,
-                           "the embedding cache is down and the request names no prefill instance")  # fmt: skip
+            return _failed(
+                reply,
+                bus_pb2.ERROR_CODE_UNAVAILABLE,
+                "the embedding cache is down and the request names no prefill instance",
+            )
         try:
             timeout = timeout_for(req.deadline_unix_ms, "embedding push", self.config.bus_timeout_s)
-            ref = await send_blob(self.bus, req.prefill_instance_id, pack_embedding(emb), timeout,
-                                  transfer_id=req.embedding_transfer_id)  # fmt: skip
+            ref = await send_blob(
+                self.bus,
+                req.prefill_instance_id,
+                pack_embedding(emb),
+                timeout,
+                transfer_id=req.embedding_transfer_id,
+            )
         except (BusError, ValueError) as e:
             return _failed(reply, bus_pb2.ERROR_CODE_UNAVAILABLE, f"embedding push failed: {e}")
         reply.embedding_ref.CopyFrom(ref)

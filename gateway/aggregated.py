@@ -30,16 +30,21 @@ class AggregatedBackend:
     """Serves prepared requests from an in-process ``AsyncEngine`` (n > 1 included: the
     engine runs the choices over one prompt)."""
 
-    def __init__(self, engine: AsyncEngine, instance_id: str = "all",
-                 store: EmbeddingStoreConfig | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        instance_id: str = "all",
+        store: EmbeddingStoreConfig | None = None,
+    ):
         """``store``: the Redis embedding cache shared with the fleet (None: LRU only)."""
         self.engine = engine
         self.instance_id = instance_id
         lm = engine.engine.loaded
         self.tower = MicroBatcher(engine.engine.encode_images, observe=ENCODE_BATCH.observe)
         self._store = EmbeddingStore.from_config(store) if store is not None else None
-        self.images = ImageEmbeddings(self._encode, self._store, lm.fingerprint,
-                                      lm.text_config.hidden_size, lm.dtype)  # fmt: skip
+        self.images = ImageEmbeddings(
+            self._encode, self._store, lm.fingerprint, lm.text_config.hidden_size, lm.dtype
+        )
 
     def refresh_metrics(self) -> None:
         """The engine's load gauges (a fleet instance sets them on every heartbeat; this
@@ -80,8 +85,9 @@ class AggregatedBackend:
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         prompt, embeds = await self._inputs(prep)
         n = prep.params.logprobs or 0
-        outputs = self.engine.generate(prep.request_id, prompt, prep.params,
-                                       deadline=prep.deadline, image_embeds=embeds)  # fmt: skip
+        outputs = self.engine.generate(
+            prep.request_id, prompt, prep.params, deadline=prep.deadline, image_embeds=embeds
+        )
         try:
             async for out in outputs:
                 for event in events_from_output(out, n):

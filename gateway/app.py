@@ -39,15 +39,23 @@ class Gateway(Service):
 
     role = subjects.ROLE_GATEWAY
 
-    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, aggregated: bool,
-                 api: GatewayConfig | None = None, cache: SemanticCacheConfig | None = None,
-                 models: Sequence[str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServiceConfig,
+        aggregated: bool,
+        api: GatewayConfig | None = None,
+        cache: SemanticCacheConfig | None = None,
+        models: Sequence[str] | None = None,
+    ):
         super().__init__(config)
         self.api = api or GatewayConfig()
         names = list(models or self.api.models or (engine_config.model,))
         if aggregated and len(names) > 1:
-            raise ValueError("'serve all' runs one model in this process; serve several "
-                             "over the fleet (epd up --model A --model B)")  # fmt: skip
+            raise ValueError(
+                "'serve all' runs one model in this process; serve several "
+                "over the fleet (epd up --model A --model B)"
+            )
         self.engine_configs = [dataclasses.replace(engine_config, model=m) for m in names]
         self.engine_config = self.engine_configs[0]
         self.link: FleetLink | None = None
@@ -79,19 +87,20 @@ class Gateway(Service):
 
     async def register(self) -> None:
         cores = []
-        for info, tokenizer, backend in zip(self.infos, self.tokenizers, self.backends,
-                                            strict=True):  # fmt: skip
+        for info, tokenizer, backend in zip(
+            self.infos, self.tokenizers, self.backends, strict=True
+        ):
             preparer = RequestPreparer(info, tokenizer, self.config.request_timeout_s, self.api)
-            cores.append(GatewayCore(preparer, backend, self.api,
-                                     await self._cache(backend, info)))  # fmt: skip
+            cores.append(GatewayCore(preparer, backend, self.api, await self._cache(backend, info)))
         self.models = ModelSet(cores)
         self.core = self.models.default
         if self.api.router_config:  # a bad file stops the start, naming the field
             from gateway.semantic_router.hook import embedder_for, start_router
 
             bus = self.link.bus if self.link is not None else None
-            self._router = await start_router(self.api.router_config, self.models,
-                                              embedder_for(bus, self._local_cache))  # fmt: skip
+            self._router = await start_router(
+                self.api.router_config, self.models, embedder_for(bus, self._local_cache)
+            )
         self.grpc_server, self.grpc_port, self._health = await start_grpc_server(
             self.models, self.config.host, self.config.grpc_port
         )
@@ -101,8 +110,13 @@ class Gateway(Service):
         self.rest = RestServer(self.models, self.config.host, self.api.http_port)
         await self.rest.start()
         self.http_port = self.rest.port
-        log.info("gateway %s serving %s: gRPC on port %d, REST on port %d", self.instance_id,
-                 ", ".join(self.models.names), self.grpc_port, self.http_port)  # fmt: skip
+        log.info(
+            "gateway %s serving %s: gRPC on port %d, REST on port %d",
+            self.instance_id,
+            ", ".join(self.models.names),
+            self.grpc_port,
+            self.http_port,
+        )
 
     async def _cache(self, backend, info: ModelInfo) -> ResponseCache | None:
         """The response cache: the cache service over the bus (fleet), or one in this
@@ -125,14 +139,15 @@ class Gateway(Service):
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
 
-            store = EmbeddingStoreConfig(url=self.config.redis_url,
-                                         ttl_s=self.config.embedding_ttl_s)  # fmt: skip
-            return AggregatedBackend(AsyncEngine(LLMEngine(engine_config)), self.instance_id,
-                                     store)  # fmt: skip
+            store = EmbeddingStoreConfig(
+                url=self.config.redis_url, ttl_s=self.config.embedding_ttl_s
+            )
+            return AggregatedBackend(AsyncEngine(LLMEngine(engine_config)), self.instance_id, store)
         from gateway.disaggregated import DisaggregatedBackend
 
-        return DisaggregatedBackend(engine_config, self.config, self.instance_id, self.api,
-                                    self.link)  # fmt: skip
+        return DisaggregatedBackend(
+            engine_config, self.config, self.instance_id, self.api, self.link
+        )
 
     async def stop_intake(self) -> None:
         """Health says NOT_SERVING (load balancers look elsewhere); both servers refuse

@@ -70,9 +70,13 @@ class Route:
         return upd.offset == self.start or upd.HasField("error")
 
 
-async def while_alive(aw, alive: Callable[[], bool], lost: Callable[[], WorkerLost],
-                      probe: Callable[[], Awaitable[bool]] | None = None,
-                      stalled: Callable[[], WorkerLost | None] | None = None):  # fmt: skip
+async def while_alive(
+    aw,
+    alive: Callable[[], bool],
+    lost: Callable[[], WorkerLost],
+    probe: Callable[[], Awaitable[bool]] | None = None,
+    stalled: Callable[[], WorkerLost | None] | None = None,
+):
     """Await ``aw``; raise ``lost()`` as soon as ``alive()`` turns false, or ``probe()``
     (tried every PROBE_AFTER_S while waiting) says the worker is gone; raise what
     ``stalled()`` returns once it returns something (a live worker that stopped working)."""
@@ -107,8 +111,9 @@ def update_error(upd: bus_pb2.TokenUpdate, route: Route, sender: str, started: b
     return WorkerLost(subjects.ROLE_PREFILL, route.prefill_id, upd.error.message)
 
 
-async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
-                         fleet: WorkerWatch) -> AsyncIterator[TokenEvent]:  # fmt: skip
+async def stream_updates(
+    route: Route, order: UpdateOrderer, deadline: float, stall_s: float, fleet: WorkerWatch
+) -> AsyncIterator[TokenEvent]:
     """The attempt's events in order, until it finishes or fails."""
     last = probed = time.monotonic()
     while True:
@@ -135,8 +140,14 @@ async def stream_updates(route: Route, order: UpdateOrderer, deadline: float, st
                 return
 
 
-def _check(route: Route, order: UpdateOrderer, deadline: float, stall_s: float,
-           fleet: WorkerWatch, last: float) -> tuple[str, str]:  # fmt: skip
+def _check(
+    route: Route,
+    order: UpdateOrderer,
+    deadline: float,
+    stall_s: float,
+    fleet: WorkerWatch,
+    last: float,
+) -> tuple[str, str]:
     """Raise if the attempt cannot go on; else the (role, id) of the worker it waits on."""
     if time.time() > deadline:
         raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")

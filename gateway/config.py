@@ -77,9 +77,19 @@ class GatewayConfig(FromEnv):
         self.allowed_media_domains = tuple(d.lower() for d in self.allowed_media_domains)
         if not 0 <= self.http_port < 65536:
             raise ValueError("http_port must be in 0..65535")
-        for name in ("max_n", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_images", "max_image_bytes",
-                     "max_image_pixels", "max_body_mb", "max_inflight",
-                     "max_inflight_per_instance", "breaker_failures"):  # fmt: skip
+        for name in (
+            "max_n",
+            "max_stop",
+            "max_stop_chars",
+            "max_stop_token_ids",
+            "max_images",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_body_mb",
+            "max_inflight",
+            "max_inflight_per_instance",
+            "breaker_failures",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.media_timeout_s <= 0 or self.breaker_cooloff_s <= 0:
@@ -87,7 +97,8 @@ class GatewayConfig(FromEnv):
         if self.migration_limit < 0 or self.max_local_prefill_tokens < 0:
             raise ValueError("migration_limit and max_local_prefill_tokens must be >= 0")
         if self.router_policy not in POLICIES:
-            raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.router_policy!r}")  # fmt: skip
+            raise ValueError(
+                f"router_policy must be one of {', '.join(POLICIES)}, got {self.router_policy!r}"
+            )
         if any(not k for k in self.api_key):
             raise ValueError("api_key entries must be non-empty")

@@ -40,8 +40,13 @@ class ServingBackend(Protocol):
 class GatewayCore:
     """Shared by the gRPC server and the OpenAI app."""
 
-    def __init__(self, preparer: RequestPreparer, backend: ServingBackend,
-                 config: GatewayConfig | None = None, cache: ResponseCache | None = None):  # fmt: skip
+    def __init__(
+        self,
+        preparer: RequestPreparer,
+        backend: ServingBackend,
+        config: GatewayConfig | None = None,
+        cache: ResponseCache | None = None,
+    ):
         self.preparer = preparer
         self.backend = backend
         self.config = config or GatewayConfig()
@@ -118,8 +123,13 @@ class GatewayCore:
             REQUESTS_IN_PROGRESS.dec()
             took = timer.finished(outcome)
             log.info("request %s in %.3fs: %d tokens", outcome, took, timer.tokens)
-            self.stats.observe_run(timer.start, timer.first, [len(s.token_ids) for s in streams],
-                                   outcome == "ok", prep.cache_status if self.cache else "off")  # fmt: skip
+            self.stats.observe_run(
+                timer.start,
+                timer.first,
+                [len(s.token_ids) for s in streams],
+                outcome == "ok",
+                prep.cache_status if self.cache else "off",
+            )
             await events.aclose()
             if workers and not all(s.finished for s in streams):
                 log.info("aborting request", extra={"request_id": prep.request_id})

@@ -46,8 +46,14 @@ class DisaggregatedBackend:
     with its other models' backends (started and stopped by the gateway); without one
     the backend opens its own."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServiceConfig, gateway_id: str,
-                 api: GatewayConfig | None = None, link: FleetLink | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServiceConfig,
+        gateway_id: str,
+        api: GatewayConfig | None = None,
+        link: FleetLink | None = None,
+    ):
         self.engine_config = engine_config
         self.config = config
         self.api = api or GatewayConfig()
@@ -66,8 +72,14 @@ class DisaggregatedBackend:
             await self.link.start()
         self.bus, self.registry, self.routes = self.link.bus, self.link.registry, self.link.routes
         self.router = Router(self.registry, self.info.fingerprint, self.api)
-        self.encoder = ImageEncoder(self.bus, self.info.fingerprint, self.config.bus_timeout_s,
-                                    self.config.stall_timeout_s, self.router, self.link)  # fmt: skip
+        self.encoder = ImageEncoder(
+            self.bus,
+            self.info.fingerprint,
+            self.config.bus_timeout_s,
+            self.config.stall_timeout_s,
+            self.router,
+            self.link,
+        )
 
     async def stop(self) -> None:
         if self._own_link and self.link is not None:
@@ -110,8 +122,9 @@ class DisaggregatedBackend:
                 params = dataclasses.replace(prep.params, n=1, seed=seed)
                 if i:
                     await first_token.wait()
-                async for event in self._choice(prep, choice_request_id(prep.request_id, i),
-                                                params, images):  # fmt: skip
+                async for event in self._choice(
+                    prep, choice_request_id(prep.request_id, i), params, images
+                ):
                     event.index = i
                     merged.put_nowait(event)
                     first_token.set()
@@ -146,8 +159,9 @@ class DisaggregatedBackend:
                 self.current[rid] = arid
                 order.begin(len(sent))
                 try:
-                    attempt_events = self._attempt(prep, arid, params, images, sent, failed, order,
-                                                   hint)  # fmt: skip
+                    attempt_events = self._attempt(
+                        prep, arid, params, images, sent, failed, order, hint
+                    )
                     async for event in attempt_events:
                         sent.extend(event.token_ids)
                         yield event
@@ -157,24 +171,31 @@ class DisaggregatedBackend:
                     migrations += bool(sent)
                     MIGRATIONS.labels(lost.role, "migration" if sent else "retry").inc()
                     if migrations > self.api.migration_limit:
-                        raise BackendError("UNAVAILABLE", f"{lost}; gave up after "
-                                           f"{self.api.migration_limit} migrations") from lost  # fmt: skip
+                        raise BackendError(
+                            "UNAVAILABLE",
+                            f"{lost}; gave up after {self.api.migration_limit} migrations",
+                        ) from lost
                     log.warning("request %s moves on after %s tokens: %s", rid, len(sent), lost)
                 attempt += 1
         finally:
             self.current.pop(rid, None)
 
-    async def _attempt(self, prep, arid, params, images, sent, failed, order,
-                       hint) -> AsyncIterator[TokenEvent]:  # fmt: skip
+    async def _attempt(
+        self, prep, arid, params, images, sent, failed, order, hint
+    ) -> AsyncIterator[TokenEvent]:
         # Decode imports its KV: only the session key matters there, not prefix locality.
-        decode = self.router.pick(subjects.ROLE_DECODE, exclude=failed[subjects.ROLE_DECODE],
-                                  hint=RouteHint(hint.session_key))  # fmt: skip
+        decode = self.router.pick(
+            subjects.ROLE_DECODE,
+            exclude=failed[subjects.ROLE_DECODE],
+            hint=RouteHint(hint.session_key),
+        )
         prefill = None
         local = self._prefill_locally(prep, sent, decode.instance_id, hint)
         if not local:
             try:
-                prefill = self.router.pick(subjects.ROLE_PREFILL, hint=hint,
-                                           exclude=failed[subjects.ROLE_PREFILL])  # fmt: skip
+                prefill = self.router.pick(
+                    subjects.ROLE_PREFILL, hint=hint, exclude=failed[subjects.ROLE_PREFILL]
+                )
             except BaseException:
                 decode.release()
                 raise
@@ -188,8 +209,9 @@ class DisaggregatedBackend:
             except EmbeddingsMissing:  # e.g. evicted from Redis: encoded again, pushed there
                 pushed = await images.for_prefill(pid, push=True)
                 await self._prefill(prep, arid, params, pushed, sent, route, last_try=True)
-            async for event in stream_updates(route, order, prep.deadline,
-                                              self.config.stall_timeout_s, self.link):  # fmt: skip
+            async for event in stream_updates(
+                route, order, prep.deadline, self.config.stall_timeout_s, self.link
+            ):
                 if prefill is not None and not prefill.released:
                     self.router.succeeded(subjects.ROLE_PREFILL, prefill.instance_id)
                     prefill.release()
@@ -222,8 +244,16 @@ class DisaggregatedBackend:
         self.router.note_prefix(subjects.ROLE_DECODE, decode_id, hint.block_hashes)
         return True
 
-    async def _prefill(self, prep, arid: str, params, pushed: dict, sent: list[int],
-                       route: Route, last_try: bool = False) -> None:  # fmt: skip
+    async def _prefill(
+        self,
+        prep,
+        arid: str,
+        params,
+        pushed: dict,
+        sent: list[int],
+        route: Route,
+        last_try: bool = False,
+    ) -> None:
         """Admission on the prefill instance (the decode instance itself when local)."""
         pid = route.prefill_id
         role = subjects.ROLE_DECODE if route.local else subjects.ROLE_PREFILL
@@ -232,20 +262,30 @@ class DisaggregatedBackend:
             if span.image_hash in pushed:
                 span.embedding_ref.CopyFrom(pushed[span.image_hash])
         req = bus_pb2.PrefillRequest(
-            request_id=arid, gateway_id=self.gateway_id, decode_instance_id=route.decode_id,
-            prompt_token_ids=prep.prompt_token_ids, image_spans=spans,
-            sampling=params_to_proto(params), deadline_unix_ms=int(prep.deadline * 1000),
-            eos_token_ids=self.eos, max_model_len=self.info.max_model_len,
+            request_id=arid,
+            gateway_id=self.gateway_id,
+            decode_instance_id=route.decode_id,
+            prompt_token_ids=prep.prompt_token_ids,
+            image_spans=spans,
+            sampling=params_to_proto(params),
+            deadline_unix_ms=int(prep.deadline * 1000),
+            eos_token_ids=self.eos,
+            max_model_len=self.info.max_model_len,
             output_token_ids=sent,
-        )  # fmt: skip
-        ask = self.bus.request(subjects.prefill(self.info.fingerprint, pid), req,
-                               bus_pb2.PrefillReply, self.config.bus_timeout_s)  # fmt: skip
+        )
+        ask = self.bus.request(
+            subjects.prefill(self.info.fingerprint, pid),
+            req,
+            bus_pb2.PrefillReply,
+            self.config.bus_timeout_s,
+        )
         try:
             reply = await while_alive(
-                ask, lambda: self.link.alive(role, pid),
+                ask,
+                lambda: self.link.alive(role, pid),
                 lambda: WorkerLost(role, pid, "went away during admission"),
                 lambda: self.link.answers_ping(role, pid),
-            )  # fmt: skip
+            )
         except BusError as e:
             raise WorkerLost(role, pid, f"dispatch failed: {e}") from e
         if reply.HasField("error"):

@@ -43,8 +43,15 @@ class ImageEncoder:
     """Encodes a request's images on encoders chosen by ``router``; ``watch`` says
     whether an instance still beats, is connected, and when it last finished a pass."""
 
-    def __init__(self, bus: Bus, fingerprint: str, timeout_s: float, stall_s: float,
-                 router: Router, watch: WorkerWatch):  # fmt: skip
+    def __init__(
+        self,
+        bus: Bus,
+        fingerprint: str,
+        timeout_s: float,
+        stall_s: float,
+        router: Router,
+        watch: WorkerWatch,
+    ):
         """``timeout_s``: bus transfers (an image's bytes); ``stall_s``: how long an
         encoder may go without replying and without finishing a pass."""
         self.bus = bus
@@ -57,8 +64,9 @@ class ImageEncoder:
     def keys_for(self, prep: PreparedRequest) -> dict[str, str]:
         return {s.image_hash: embedding_key(self.fingerprint, s.image_hash) for s in prep.spans}
 
-    async def encode(self, prep: PreparedRequest, prefill_id: str,
-                     push: bool = False) -> dict[str, bus_pb2.BlobRef]:  # fmt: skip
+    async def encode(
+        self, prep: PreparedRequest, prefill_id: str, push: bool = False
+    ) -> dict[str, bus_pb2.BlobRef]:
         """Encode what is missing; returns the embeddings the encoder sent to prefill
         ``prefill_id`` itself because Redis could not hold them (every one: ``push``)."""
         unique = {}
@@ -69,8 +77,9 @@ class ImageEncoder:
         )
         return {h: ref for h, ref in results if ref is not None}
 
-    async def _one(self, prep: PreparedRequest, digest: str, image: bytes, prefill_id: str,
-                   push: bool):  # fmt: skip
+    async def _one(
+        self, prep: PreparedRequest, digest: str, image: bytes, prefill_id: str, push: bool
+    ):
         """One image, on one encoder after another until one answers."""
         failed: set[str] = set()
         while True:
@@ -88,13 +97,24 @@ class ImageEncoder:
             self.router.succeeded(subjects.ROLE_ENCODE, lease.instance_id)
             return digest, (reply.embedding_ref if reply.HasField("embedding_ref") else None)
 
-    async def _on(self, encoder_id: str, prep: PreparedRequest, digest: str, image: bytes,
-                  prefill_id: str, push: bool) -> bus_pb2.EncodeReply:  # fmt: skip
-        req = bus_pb2.EncodeRequest(request_id=prep.request_id, model_fingerprint=self.fingerprint,
-                                    image_hash=digest, deadline_unix_ms=int(prep.deadline * 1000),
-                                    prefill_instance_id=prefill_id,
-                                    embedding_transfer_id=f"emb-{uuid.uuid4().hex}",
-                                    push_to_prefill=push)  # fmt: skip
+    async def _on(
+        self,
+        encoder_id: str,
+        prep: PreparedRequest,
+        digest: str,
+        image: bytes,
+        prefill_id: str,
+        push: bool,
+    ) -> bus_pb2.EncodeReply:
+        req = bus_pb2.EncodeRequest(
+            request_id=prep.request_id,
+            model_fingerprint=self.fingerprint,
+            image_hash=digest,
+            deadline_unix_ms=int(prep.deadline * 1000),
+            prefill_instance_id=prefill_id,
+            embedding_transfer_id=f"emb-{uuid.uuid4().hex}",
+            push_to_prefill=push,
+        )
         if fits_inline(self.bus, len(image)):
             req.image = image
         reply = await self._ask(encoder_id, req)
@@ -122,15 +142,17 @@ class ImageEncoder:
         if left <= 0:
             raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline")
         role, asked = subjects.ROLE_ENCODE, time.monotonic()
-        ask = self.bus.request(subjects.encoder(self.fingerprint, encoder_id), req,
-                               bus_pb2.EncodeReply, left)  # fmt: skip
+        ask = self.bus.request(
+            subjects.encoder(self.fingerprint, encoder_id), req, bus_pb2.EncodeReply, left
+        )
         try:
             return await while_alive(
-                ask, lambda: self.watch.alive(role, encoder_id),
+                ask,
+                lambda: self.watch.alive(role, encoder_id),
                 lambda: WorkerLost(role, encoder_id, "went away mid-encode"),
                 lambda: self.watch.answers_ping(role, encoder_id),
                 lambda: self._stalled(encoder_id, asked),
-            )  # fmt: skip
+            )
         except BusTimeout as e:
             if deadline is not None and time.time() >= deadline - 0.01:
                 raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline") from e
@@ -146,8 +168,9 @@ class ImageEncoder:
         busy_at = self.watch.progressed_at(subjects.ROLE_ENCODE, encoder_id) or 0.0
         if time.monotonic() - max(asked, busy_at) <= limit:
             return None
-        return WorkerLost(subjects.ROLE_ENCODE, encoder_id,
-                          f"no embedding and no tower pass for {limit:.0f}s")  # fmt: skip
+        return WorkerLost(
+            subjects.ROLE_ENCODE, encoder_id, f"no embedding and no tower pass for {limit:.0f}s"
+        )
 
 
 class EmbeddingsMissing(Exception):

@@ -25,9 +25,25 @@ _HTTP = {
 }
 
 # Request fields a validation message may start with (SamplingParams names its field).
-_PARAMS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens",
-                     "stop", "logprobs", "prompt", "messages"})  # fmt: skip
+_PARAMS = frozenset(
+    {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "logprobs",
+        "prompt",
+        "messages",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +60,7 @@ class RequestFailure:
 
     def openai_body(self) -> dict:
         _, kind, code = _HTTP.get(self.code, _HTTP["INTERNAL"])
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": code}}  # fmt: skip
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
 
 
 def classify(e: BaseException, request_id: str = "") -> RequestFailure:

@@ -39,6 +39,14 @@ def events_from_output(out: RequestOutput, n_logprobs: int) -> list[TokenEvent]:
         if comp.logprobs is not None:
             tail = comp.logprobs[len(comp.token_ids) - len(new) :]
             lps = [logprobs_from_dict(t, d, n_logprobs) for t, d in zip(new, tail, strict=False)]
-        events.append(TokenEvent(list(new), lps, comp.finish_reason, comp.stop_reason,
-                                 out.num_cached_tokens, comp.index))  # fmt: skip
+        events.append(
+            TokenEvent(
+                list(new),
+                lps,
+                comp.finish_reason,
+                comp.stop_reason,
+                out.num_cached_tokens,
+                comp.index,
+            )
+        )
     return events

@@ -37,8 +37,9 @@ class FleetLink:
 
     async def start(self) -> None:
         self.bus = await connect_bus(self.config, self.gateway_id)
-        self.registry = InstanceRegistry(self.bus, WORKER_ROLES,
-                                         expiry_s=self.config.instance_ttl_s)  # fmt: skip
+        self.registry = InstanceRegistry(
+            self.bus, WORKER_ROLES, expiry_s=self.config.instance_ttl_s
+        )
         await self.registry.start()
         await self.bus.subscribe(subjects.out(self.gateway_id), self._on_tokens)
 
@@ -61,8 +62,9 @@ class FleetLink:
         """False only when nobody serves the instance's ping subject any more (its
         connection is gone); a slow or unknown answer counts as alive."""
         try:
-            await self.bus.request(subjects.ping(instance_id), b"", bus_pb2.Heartbeat,
-                                   _PING_TIMEOUT_S)  # fmt: skip
+            await self.bus.request(
+                subjects.ping(instance_id), b"", bus_pb2.Heartbeat, _PING_TIMEOUT_S
+            )
         except NoResponders:
             return False
         except BusError:
@@ -77,5 +79,8 @@ class FleetLink:
                 route.queue.put_nowait((batch.instance_id, upd))
             elif route is not None:
                 DROPPED_UPDATES.inc()
-                log.warning("dropped an update for %s from %s, which does not hold it",
-                            upd.request_id, batch.instance_id)  # fmt: skip
+                log.warning(
+                    "dropped an update for %s from %s, which does not hold it",
+                    upd.request_id,
+                    batch.instance_id,
+                )

@@ -60,8 +60,14 @@ def _logprobs(tokenizer, delta_lps) -> list[pb.TokenLogprob]:
         if lp is None:
             continue
         top = [pb.TopLogprob(token_id=t, text=tokenizer.decode([t]), logprob=v) for t, v in lp.top]
-        out.append(pb.TokenLogprob(token_id=lp.token_id, text=tokenizer.decode([lp.token_id]),
-                                   logprob=lp.logprob, top_logprobs=top))  # fmt: skip
+        out.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                text=tokenizer.decode([lp.token_id]),
+                logprob=lp.logprob,
+                top_logprobs=top,
+            )
+        )
     return out
 
 
@@ -74,9 +80,11 @@ async def _abort_with_status(context, request_id: str, e: Exception) -> None:
 
 def usage(prep: PreparedRequest, streams: list[OutputStream]) -> pb.Usage:
     """Token counts of the whole request (every choice)."""
-    return pb.Usage(prompt_tokens=len(prep.prompt_token_ids),
-                    completion_tokens=sum(len(s.token_ids) for s in streams),
-                    cached_tokens=max(s.num_cached_tokens for s in streams))  # fmt: skip
+    return pb.Usage(
+        prompt_tokens=len(prep.prompt_token_ids),
+        completion_tokens=sum(len(s.token_ids) for s in streams),
+        cached_tokens=max(s.num_cached_tokens for s in streams),
+    )
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -93,16 +101,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         mode = "bypass" if request.cache_opt_out else meta.get("x-epd-cache", "default").lower()
         try:
             core, prep = await self.models.prepare(
-                model=request.model, params=params_kwargs(request.sampling),
+                model=request.model,
+                params=params_kwargs(request.sampling),
                 messages=_messages(request.chat) if which == "chat" else None,
                 prompt=request.prompt if which == "prompt" else None,
-                prompt_token_ids=list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+                prompt_token_ids=list(request.prompt_token_ids.ids)
+                if which == "prompt_token_ids"
+                else None,
                 images=list(request.images),
                 request_id=request.request_id if request.HasField("request_id") else None,
-                cache_opt_out=request.cache_opt_out, cache_mode=mode,
+                cache_opt_out=request.cache_opt_out,
+                cache_mode=mode,
                 tenant=meta.get("x-epd-user", ""),
                 session_key=meta.get("x-session-id") or meta.get("x-epd-user", ""),
-            )  # fmt: skip
+            )
         except Exception as e:
             await _abort_with_status(context, "", e)
         left = context.time_remaining()
@@ -112,11 +124,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _response(self, core, prep, delta: Delta, streams) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(
-            request_id=_echo(prep), token_ids=delta.token_ids, text=delta.text,
+            request_id=_echo(prep),
+            token_ids=delta.token_ids,
+            text=delta.text,
             logprobs=_logprobs(core.tokenizer, delta.logprobs),
-            finish_reason=FINISH_TO_PROTO[delta.finish_reason], model=core.info.model_id,
+            finish_reason=FINISH_TO_PROTO[delta.finish_reason],
+            model=core.info.model_id,
             index=delta.index,
-        )  # fmt: skip
+        )
         if all(s.finished for s in streams):
             resp.usage.CopyFrom(usage(prep, streams))
         return resp
@@ -143,22 +158,41 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort_with_status(context, prep.request_id, e)
         await context.send_initial_metadata(_cache_metadata(prep))
         tok = core.tokenizer
-        choices = [pb.Choice(index=s.index, token_ids=s.token_ids, text=s.text,
-                             logprobs=_logprobs(tok, s.logprobs),
-                             finish_reason=FINISH_TO_PROTO[s.state.finish_reason]) for s in streams]  # fmt: skip
+        choices = [
+            pb.Choice(
+                index=s.index,
+                token_ids=s.token_ids,
+                text=s.text,
+                logprobs=_logprobs(tok, s.logprobs),
+                finish_reason=FINISH_TO_PROTO[s.state.finish_reason],
+            )
+            for s in streams
+        ]
         first = choices[0]
         return pb.GenerateResult(
-            request_id=_echo(prep), token_ids=first.token_ids, text=first.text,
-            logprobs=first.logprobs, finish_reason=first.finish_reason,
-            usage=usage(prep, streams), model=core.info.model_id, choices=choices,
-        )  # fmt: skip
+            request_id=_echo(prep),
+            token_ids=first.token_ids,
+            text=first.text,
+            logprobs=first.logprobs,
+            finish_reason=first.finish_reason,
+            usage=usage(prep, streams),
+            model=core.info.model_id,
+            choices=choices,
+        )
 
     async def ListModels(self, request, context):  # noqa: N802
         """The models that have live instances now."""
         now = int(time.time())
-        models = [pb.ModelInfo(id=c.info.model_id, owned_by="epd-serve", created=now,
-                               max_model_len=c.info.max_model_len, vision=c.info.vision)
-                  for c in self.models.live()]  # fmt: skip
+        models = [
+            pb.ModelInfo(
+                id=c.info.model_id,
+                owned_by="epd-serve",
+                created=now,
+                max_model_len=c.info.max_model_len,
+                vision=c.info.vision,
+            )
+            for c in self.models.live()
+        ]
         return pb.ListModelsResponse(models=models)
 
 
@@ -190,12 +224,15 @@ def _inference_handlers(servicer: InferenceServicer):
     ser = lambda m: m.SerializeToString()  # noqa: E731
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            _parsed(servicer.Generate, pb.GenerateRequest, True), raw, ser),
+            _parsed(servicer.Generate, pb.GenerateRequest, True), raw, ser
+        ),
         "GenerateOnce": grpc.unary_unary_rpc_method_handler(
-            _parsed(servicer.GenerateOnce, pb.GenerateRequest, False), raw, ser),
+            _parsed(servicer.GenerateOnce, pb.GenerateRequest, False), raw, ser
+        ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
-            _parsed(servicer.ListModels, pb.ListModelsRequest, False), raw, ser),
-    }  # fmt: skip
+            _parsed(servicer.ListModels, pb.ListModelsRequest, False), raw, ser
+        ),
+    }
     return grpc.method_handlers_generic_handler("epd.v1.Inference", handlers)
 
 
@@ -221,8 +258,11 @@ async def start_grpc_server(served: GatewayCore | ModelSet, host: str, port: int
     server.add_generic_rpc_handlers((_inference_handlers(InferenceServicer(served)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Inference"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)  # fmt: skip
+    names = (
+        pb.DESCRIPTOR.services_by_name["Inference"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -36,8 +36,15 @@ EncodeFn = Callable[[bytes], Awaitable[torch.Tensor]]
 class ImageEmbeddings:
     """``embeddings(images, spans)`` -> one tensor per image, the tower run only on misses."""
 
-    def __init__(self, encode: EncodeFn, store: EmbeddingStore | None, fingerprint: str,
-                 hidden: int, dtype: torch.dtype, lru_bytes: int = DEFAULT_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        encode: EncodeFn,
+        store: EmbeddingStore | None,
+        fingerprint: str,
+        hidden: int,
+        dtype: torch.dtype,
+        lru_bytes: int = DEFAULT_BYTES,
+    ) -> None:
         """``store`` None: no Redis (the LRU alone); ``hidden``/``dtype``: the language
         model's, which a stored value must match to be used."""
         self.encode = encode
@@ -82,11 +89,20 @@ class ImageEmbeddings:
         emb = await self.store.get(self.fingerprint, span.image_hash)
         if emb is None:
             return None
-        if emb.dim() != 2 or list(emb.shape) != [span.length, self.hidden] \
-                or not emb.is_floating_point():  # fmt: skip
-            log.warning("stored embedding of image %s is %s %s, expected floats [%d, %d]: "
-                        "encoding it again", span.image_hash[:12], emb.dtype, list(emb.shape),
-                        span.length, self.hidden)  # fmt: skip
+        if (
+            emb.dim() != 2
+            or list(emb.shape) != [span.length, self.hidden]
+            or not emb.is_floating_point()
+        ):
+            log.warning(
+                "stored embedding of image %s is %s %s, expected floats [%d, %d]: "
+                "encoding it again",
+                span.image_hash[:12],
+                emb.dtype,
+                list(emb.shape),
+                span.length,
+                self.hidden,
+            )
             return None
         return emb.to(self.dtype)
 

@@ -91,8 +91,9 @@ class ModelSet:
             return self.default
         core = self._cores.get(name)
         if core is None:
-            raise UnknownModel(f"the model {name!r} does not exist (served here: "
-                               f"{', '.join(self._cores)})")  # fmt: skip
+            raise UnknownModel(
+                f"the model {name!r} does not exist (served here: {', '.join(self._cores)})"
+            )
         return core
 
     def check_name(self, name: str) -> None:
@@ -127,9 +128,14 @@ class ModelSet:
         vector = b""
         if self.router is not None:
             kwargs, headers, vector = await self.router.apply(kwargs)
-        request = ModelRequest(kwargs.get("messages"), kwargs.get("prompt"),
-                               kwargs.get("prompt_token_ids"), list(kwargs.get("images") or ()),
-                               kwargs.get("tenant", ""), kwargs.get("session_key", ""))  # fmt: skip
+        request = ModelRequest(
+            kwargs.get("messages"),
+            kwargs.get("prompt"),
+            kwargs.get("prompt_token_ids"),
+            list(kwargs.get("images") or ()),
+            kwargs.get("tenant", ""),
+            kwargs.get("session_key", ""),
+        )
         core = self.resolve(kwargs.get("model") or "", request)
         self.check_capacity()
         core.check_capacity()
@@ -145,8 +151,10 @@ class ModelSet:
         total, limit = sum(c.inflight for c in self), self.default.config.max_inflight
         if total >= limit:
             REQUESTS.labels("rejected").inc()
-            raise BackendError("RESOURCE_EXHAUSTED", f"the server is at capacity ({total} "
-                               "requests in progress); retry later")  # fmt: skip
+            raise BackendError(
+                "RESOURCE_EXHAUSTED",
+                f"the server is at capacity ({total} requests in progress); retry later",
+            )
 
     def live(self) -> list[GatewayCore]:
         """Models that have live instances now (what /v1/models and ListModels list)."""

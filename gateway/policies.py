@@ -16,8 +16,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-POLICIES = ("least_loaded", "power_of_two", "round_robin", "random", "consistent_hash",
-            "prefix_aware")  # fmt: skip
+POLICIES = (
+    "least_loaded",
+    "power_of_two",
+    "round_robin",
+    "random",
+    "consistent_hash",
+    "prefix_aware",
+)
 
 
 @dataclass
@@ -84,8 +90,13 @@ class PrefixIndex:
 class Policy:
     """Picks one of the candidates (never empty) for a request."""
 
-    def __init__(self, name: str, rng: random.Random | None = None,
-                 prefixes: PrefixIndex | None = None, balance_slack: int = 4):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        rng: random.Random | None = None,
+        prefixes: PrefixIndex | None = None,
+        balance_slack: int = 4,
+    ):
         """``balance_slack``: prefix_aware follows a cached prefix only to an instance
         at most this many requests busier than the least-loaded one."""
         if name not in POLICIES:
@@ -129,8 +140,9 @@ class Policy:
             return self._least_loaded(cands, hint)
 
         def weight(c: Candidate) -> bytes:
-            return hashlib.blake2b(f"{hint.session_key}\0{c.instance_id}".encode(),
-                                   digest_size=8).digest()  # fmt: skip
+            return hashlib.blake2b(
+                f"{hint.session_key}\0{c.instance_id}".encode(), digest_size=8
+            ).digest()
 
         return max(cands, key=weight)
 
@@ -139,8 +151,11 @@ class Policy:
         than the least-loaded one by more than ``balance_slack``; else least loaded."""
         if hint.block_hashes:
             floor = min(c.load for c in cands)
-            matches = [(self.prefixes.match(c.instance_id, hint.block_hashes), c) for c in cands
-                       if c.load <= floor + self.balance_slack]  # fmt: skip
+            matches = [
+                (self.prefixes.match(c.instance_id, hint.block_hashes), c)
+                for c in cands
+                if c.load <= floor + self.balance_slack
+            ]
             best = max(m for m, _ in matches)
             if best > 0:
                 return min((c for m, c in matches if m == best), key=Candidate.key)

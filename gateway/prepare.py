@@ -76,17 +76,28 @@ class RequestPreparer:
     Images get header-only checks here; their pixels are decoded by the encoder.
     """
 
-    def __init__(self, info: ModelInfo, tokenizer, request_timeout_s: float,
-                 limits: GatewayConfig | None = None):  # fmt: skip
+    def __init__(
+        self,
+        info: ModelInfo,
+        tokenizer,
+        request_timeout_s: float,
+        limits: GatewayConfig | None = None,
+    ):
         self.info = info
         self.tokenizer = tokenizer
         self.timeout_s = request_timeout_s
         self.limits = limits or GatewayConfig()
         self.defaults = info.default_sampling()
-        self.inputs = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
-                                     info.image_token_id, info.tokens_per_image, info.fingerprint,
-                                     decode_images=False,
-                                     max_image_pixels=self.limits.max_image_pixels)  # fmt: skip
+        self.inputs = InputProcessor(
+            tokenizer,
+            info.max_model_len,
+            info.vocab_size,
+            info.image_token_id,
+            info.tokens_per_image,
+            info.fingerprint,
+            decode_images=False,
+            max_image_pixels=self.limits.max_image_pixels,
+        )
 
     def check_model(self, model: str) -> None:
         if model and model != self.info.model_id:
@@ -94,17 +105,31 @@ class RequestPreparer:
                 f"model {model!r} is not served here (serving {self.info.model_id!r})"
             )
 
-    def prepare(self, *, model: str, params: dict, messages=None, prompt=None, prompt_token_ids=None,
-                images=(), request_id: str | None = None, cache_opt_out: bool = False,
-                add_special_tokens: bool = True, tenant: str = "",
-                cache_mode: str = "default", session_key: str = "") -> PreparedRequest:  # fmt: skip
+    def prepare(
+        self,
+        *,
+        model: str,
+        params: dict,
+        messages=None,
+        prompt=None,
+        prompt_token_ids=None,
+        images=(),
+        request_id: str | None = None,
+        cache_opt_out: bool = False,
+        add_special_tokens: bool = True,
+        tenant: str = "",
+        cache_mode: str = "default",
+        session_key: str = "",
+    ) -> PreparedRequest:
         """``params``: SamplingParams keywords the client set (unset ones take the
         checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
         (bad values), ModelNotFoundError."""
         self.check_model(model)
         if cache_mode not in CACHE_MODES:
-            raise InvalidRequest(f"x-epd-cache must be one of {', '.join(CACHE_MODES)}, "
-                                 f"got {cache_mode!r}", "x-epd-cache")  # fmt: skip
+            raise InvalidRequest(
+                f"x-epd-cache must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}",
+                "x-epd-cache",
+            )
         images = list(images)
         if messages is not None:
             prompt, chat_images = render_chat(self.tokenizer, messages)
@@ -122,12 +147,20 @@ class RequestPreparer:
         sp = self._params(params, len(processed.token_ids))
         raw = [bytes(im) for im in images]
         return PreparedRequest(
-            request_id=new_request_id(), prompt_token_ids=processed.token_ids, params=sp,
-            images=raw, spans=processed.spans, prompt_text=prompt,
-            deadline=time.time() + self.timeout_s, cache_opt_out=cache_opt_out,
-            messages=messages, client_request_id=request_id, tenant=tenant, cache_mode=cache_mode,
+            request_id=new_request_id(),
+            prompt_token_ids=processed.token_ids,
+            params=sp,
+            images=raw,
+            spans=processed.spans,
+            prompt_text=prompt,
+            deadline=time.time() + self.timeout_s,
+            cache_opt_out=cache_opt_out,
+            messages=messages,
+            client_request_id=request_id,
+            tenant=tenant,
+            cache_mode=cache_mode,
             session_key=session_key,
-        )  # fmt: skip
+        )
 
     def _check_images(self, images: list) -> None:
         lim = self.limits
@@ -175,8 +208,9 @@ class RequestPreparer:
             raise InvalidRequest(f"{len(stop)} stop strings; at most {lim.max_stop}", "stop")
         ids = kw.get("stop_token_ids") or []
         if len(ids) > lim.max_stop_token_ids:
-            raise InvalidRequest(f"{len(ids)} stop_token_ids; at most {lim.max_stop_token_ids}",
-                                 "stop_token_ids")  # fmt: skip
+            raise InvalidRequest(
+                f"{len(ids)} stop_token_ids; at most {lim.max_stop_token_ids}", "stop_token_ids"
+            )
         if any(isinstance(s, str) and len(s) > lim.max_stop_chars for s in stop):
             raise InvalidRequest(
                 f"a stop string is longer than {lim.max_stop_chars} characters", "stop"

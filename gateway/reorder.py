@@ -49,5 +49,10 @@ class UpdateOrderer:
             logprobs_from_proto(t, lp) for t, lp in zip(upd.token_ids, upd.logprobs, strict=False)
         ]
         stop_reason = upd.stop_token_id if upd.HasField("stop_token_id") else None
-        return TokenEvent(list(upd.token_ids), lps, FINISH_FROM_PROTO.get(upd.finish_reason),
-                          stop_reason, self.num_cached_tokens)  # fmt: skip
+        return TokenEvent(
+            list(upd.token_ids),
+            lps,
+            FINISH_FROM_PROTO.get(upd.finish_reason),
+            stop_reason,
+            self.num_cached_tokens,
+        )

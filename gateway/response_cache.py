@@ -71,8 +71,9 @@ class BusCacheClient:
         if replica:
             deadline = self.clock() + timeout_s
             try:
-                return await self.bus.request(subjects.cache_lookup_at(replica), query,
-                                              bus_pb2.CacheLookupReply, timeout_s)  # fmt: skip
+                return await self.bus.request(
+                    subjects.cache_lookup_at(replica), query, bus_pb2.CacheLookupReply, timeout_s
+                )
             except NoResponders:
                 timeout_s = max(deadline - self.clock(), 0.001)
         return await self._ask(subjects.CACHE_LOOKUP, query, bus_pb2.CacheLookupReply, timeout_s)
@@ -129,16 +130,29 @@ class ResponseCache:
             return None
         text, context = _split(prep)
         keyed = {k: v for k, v in dataclasses.asdict(sp).items() if k not in _NOT_KEYED}
-        fingerprint = _sha({"model": self.model, "chat": prep.messages is not None,
-                            "context": context, "images": [s.image_hash for s in prep.spans],
-                            "params": keyed, "tenant": prep.tenant})  # fmt: skip
+        fingerprint = _sha(
+            {
+                "model": self.model,
+                "chat": prep.messages is not None,
+                "context": context,
+                "images": [s.image_hash for s in prep.spans],
+                "params": keyed,
+                "tenant": prep.tenant,
+            }
+        )
         exact = _sha({"fingerprint": fingerprint, "prompt": prep.prompt_token_ids})
-        return bus_pb2.CacheQuery(fingerprint=fingerprint, exact_key=exact, text=text,
-                                  max_tokens=sp.max_tokens or 0, tenant=prep.tenant,
-                                  vector=prep.text_vector if text else b"")  # fmt: skip
+        return bus_pb2.CacheQuery(
+            fingerprint=fingerprint,
+            exact_key=exact,
+            text=text,
+            max_tokens=sp.max_tokens or 0,
+            tenant=prep.tenant,
+            vector=prep.text_vector if text else b"",
+        )
 
-    async def lookup(self, prep: PreparedRequest, query_of: bus_pb2.CacheQuery,
-                     exact_only: bool) -> bus_pb2.CachedAnswer | None:  # fmt: skip
+    async def lookup(
+        self, prep: PreparedRequest, query_of: bus_pb2.CacheQuery, exact_only: bool
+    ) -> bus_pb2.CachedAnswer | None:
         """The cached answer of a request, if any (sets ``prep.cache_status``). An
         exact-only lookup counts only its hits: the full one follows a miss (the one
         ``head_start`` sent, when it did)."""
@@ -153,8 +167,9 @@ class ResponseCache:
         reply = await early
         return self._answer(prep, reply, exact_only)
 
-    async def head_start(self, prep: PreparedRequest,
-                         query_of: bus_pb2.CacheQuery) -> bus_pb2.CachedAnswer | None:  # fmt: skip
+    async def head_start(
+        self, prep: PreparedRequest, query_of: bus_pb2.CacheQuery
+    ) -> bus_pb2.CachedAnswer | None:
         """After an exact miss: the full lookup's hit if it comes within the head start
         (the workers then never start: no prefill competes with the lookup for the
         cores, none is thrown away); else None, and the lookup goes on beside the
@@ -191,8 +206,9 @@ class ResponseCache:
         if early is not None:
             early.cancel()
 
-    async def _ask(self, query_of: bus_pb2.CacheQuery, exact_only: bool,
-                   replica: str = "") -> bus_pb2.CacheLookupReply | None:  # fmt: skip
+    async def _ask(
+        self, query_of: bus_pb2.CacheQuery, exact_only: bool, replica: str = ""
+    ) -> bus_pb2.CacheLookupReply | None:
         """The cache's reply (from ``replica`` if named); None when it is slow or gone
         (the engine serves it)."""
         query = bus_pb2.CacheQuery(exact_only=exact_only)
@@ -206,8 +222,9 @@ class ResponseCache:
             log.debug("cache lookup failed: %r", e)
             return None
 
-    def _answer(self, prep: PreparedRequest, reply: bus_pb2.CacheLookupReply | None,
-                exact_only: bool) -> bus_pb2.CachedAnswer | None:  # fmt: skip
+    def _answer(
+        self, prep: PreparedRequest, reply: bus_pb2.CacheLookupReply | None, exact_only: bool
+    ) -> bus_pb2.CachedAnswer | None:
         if reply is None or reply.HasField("error") or not reply.hit:
             if not exact_only:
                 failed = reply is None or reply.HasField("error")
@@ -228,8 +245,11 @@ class ResponseCache:
             return
         answer = bus_pb2.CachedAnswer(max_tokens=prep.params.max_tokens or 0)
         for s in streams:
-            choice = answer.choices.add(index=s.index, token_ids=s.token_ids,
-                                        finish_reason=FINISH_TO_PROTO[s.state.finish_reason])  # fmt: skip
+            choice = answer.choices.add(
+                index=s.index,
+                token_ids=s.token_ids,
+                finish_reason=FINISH_TO_PROTO[s.state.finish_reason],
+            )
             reason = s.state.stop_reason
             if isinstance(reason, int):
                 choice.stop_token_id = reason
@@ -257,9 +277,14 @@ async def replay(answer: bus_pb2.CachedAnswer, prompt_len: int) -> AsyncIterator
         )
         for start in range(0, max(len(ids), 1), _REPLAY_CHUNK):
             last = start + _REPLAY_CHUNK >= len(ids)
-            yield TokenEvent(ids[start : start + _REPLAY_CHUNK], [],
-                             FINISH_FROM_PROTO[choice.finish_reason] if last else None,
-                             stop if last else None, prompt_len, choice.index)  # fmt: skip
+            yield TokenEvent(
+                ids[start : start + _REPLAY_CHUNK],
+                [],
+                FINISH_FROM_PROTO[choice.finish_reason] if last else None,
+                stop if last else None,
+                prompt_len,
+                choice.index,
+            )
 
 
 def _split(prep: PreparedRequest) -> tuple[str, list]:

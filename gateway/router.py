@@ -44,9 +44,14 @@ class Lease:
 class Router:
     """Picks instances of one model's roles from the registry of live instances."""
 
-    def __init__(self, registry: InstanceRegistry, model: str, config: GatewayConfig,
-                 clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None):  # fmt: skip
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        model: str,
+        config: GatewayConfig,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ):
         self.registry, self.model, self.config = registry, model, config
         self.clock = clock
         self.rng = rng or random.Random()
@@ -63,8 +68,9 @@ class Router:
         """Live, serving (not draining) instances of this model."""
         return [i for i in self.registry.live(role) if i.model == self.model]
 
-    def pick(self, role: str, *, exclude: Collection[str] = (),
-             hint: RouteHint | None = None) -> Lease:  # fmt: skip
+    def pick(
+        self, role: str, *, exclude: Collection[str] = (), hint: RouteHint | None = None
+    ) -> Lease:
         """A lease on the instance the policy picks among the admissible ones.
 
         UNAVAILABLE when no live instance is left (``exclude``: those that already
@@ -78,8 +84,10 @@ class Router:
         cands = [self._candidate(role, i) for i in healthy]
         cands = [c for c in cands if c.inflight < limit]
         if not cands:
-            raise BackendError("RESOURCE_EXHAUSTED", f"every {role} instance is at its limit of "
-                                                     f"{limit} requests; retry later")  # fmt: skip
+            raise BackendError(
+                "RESOURCE_EXHAUSTED",
+                f"every {role} instance is at its limit of {limit} requests; retry later",
+            )
         chosen = self._policy(role).choose(cands, hint or RouteHint())
         key = (role, chosen.instance_id)
         self._inflight[key] = self._inflight.get(key, 0) + 1
@@ -102,8 +110,13 @@ class Router:
         n = self._failures[key] = self._failures.get(key, 0) + 1
         if n >= self.config.breaker_failures:
             self._open_until[key] = self.clock() + self.config.breaker_cooloff_s
-            log.warning("%s %s failed %d times in a row: skipped for %.0fs", role, instance_id,
-                        n, self.config.breaker_cooloff_s)  # fmt: skip
+            log.warning(
+                "%s %s failed %d times in a row: skipped for %.0fs",
+                role,
+                instance_id,
+                n,
+                self.config.breaker_cooloff_s,
+            )
 
     def succeeded(self, role: str, instance_id: str) -> None:
         self._failures.pop((role, instance_id), None)
@@ -116,8 +129,12 @@ class Router:
     def _candidate(self, role: str, info: InstanceInfo) -> Candidate:
         load = info.load
         used = 1.0 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
-        return Candidate(info.instance_id, self.inflight(role, info.instance_id),
-                         load.running + load.waiting, used)  # fmt: skip
+        return Candidate(
+            info.instance_id,
+            self.inflight(role, info.instance_id),
+            load.running + load.waiting,
+            used,
+        )
 
     def _policy(self, role: str) -> Policy:
         if role not in self._policies:

@@ -31,8 +31,9 @@ class OutputStream:
     def __init__(self, prep: PreparedRequest, tokenizer, index: int = 0):
         params = dataclasses.replace(prep.params, detokenize=True)
         self.index = index
-        self.state = RequestState(prep.request_id, prep.prompt_text, prep.prompt_token_ids,
-                                  params, tokenizer, index=index)  # fmt: skip
+        self.state = RequestState(
+            prep.request_id, prep.prompt_text, prep.prompt_token_ids, params, tokenizer, index=index
+        )
         self.num_cached_tokens = 0
         self.stopped = False
         self._lps: list[TokenLogprobs | None] = []
@@ -56,8 +57,14 @@ class OutputStream:
         if event.finish_reason is not None:
             self.state.finish(event.finish_reason, event.stop_reason)
         new = self.state.token_ids[start:]
-        return Delta(new, self.state.take_text(), self._lps[start : start + len(new)],
-                     self.state.finish_reason, self.state.stop_reason, self.index)  # fmt: skip
+        return Delta(
+            new,
+            self.state.take_text(),
+            self._lps[start : start + len(new)],
+            self.state.finish_reason,
+            self.state.stop_reason,
+            self.index,
+        )
 
     @property
     def text(self) -> str:

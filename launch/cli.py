@@ -21,15 +21,27 @@ def observability_config(args):
 def engine_config(args):
     from services.config import EngineConfig
 
-    keys = ("dtype", "device", "load_format", "max_model_len", "block_size",
-            "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "attention_backend",
-            "num_scheduler_steps", "speculative_config", "greedy_head_screen",
-            "packed_weights_mb")  # fmt: skip
+    keys = (
+        "dtype",
+        "device",
+        "load_format",
+        "max_model_len",
+        "block_size",
+        "kv_cache_memory_mb",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "attention_backend",
+        "num_scheduler_steps",
+        "speculative_config",
+        "greedy_head_screen",
+        "packed_weights_mb",
+    )
     models = getattr(args, "model", None) or []
     several = getattr(args, "command", None) == "up" or getattr(args, "role", None) == "gateway"
     if len(models) > 1 and not several:
-        raise ValueError("one process runs one model: repeat --model only for 'serve gateway' "
-                         "and 'up'")  # fmt: skip
+        raise ValueError(
+            "one process runs one model: repeat --model only for 'serve gateway' and 'up'"
+        )
     model = models[0] if models else None  # the gateway's default model
     return EngineConfig.from_env(model=model, **{k: getattr(args, k, None) for k in keys})
 
@@ -37,21 +49,41 @@ def engine_config(args):
 def service_config(args):
     from services.config import ServiceConfig
 
-    keys = ("nats_url", "redis_url", "instance_id", "grpc_port", "nats_creds", "nats_nkey_seed",
-            "nats_tls_ca", "nats_tls_cert", "nats_tls_key", "host", "request_timeout_s",
-            "shutdown_grace_s")  # fmt: skip
+    keys = (
+        "nats_url",
+        "redis_url",
+        "instance_id",
+        "grpc_port",
+        "nats_creds",
+        "nats_nkey_seed",
+        "nats_tls_ca",
+        "nats_tls_cert",
+        "nats_tls_key",
+        "host",
+        "request_timeout_s",
+        "shutdown_grace_s",
+    )
     return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
 
 
 def gateway_config(args):
     from gateway.config import GatewayConfig
 
-    keys = ("http_port", "api_key", "allowed_media_domains", "allowed_local_media_path",
-            "router_policy", "migration_limit", "max_inflight_per_instance",
-            "max_local_prefill_tokens", "router_config")  # fmt: skip
+    keys = (
+        "http_port",
+        "api_key",
+        "allowed_media_domains",
+        "allowed_local_media_path",
+        "router_policy",
+        "migration_limit",
+        "max_inflight_per_instance",
+        "max_local_prefill_tokens",
+        "router_config",
+    )
     models = getattr(args, "model", None)
-    return GatewayConfig.from_env(models=tuple(models) if models else None,
-                                  **{k: getattr(args, k, None) for k in keys})  # fmt: skip
+    return GatewayConfig.from_env(
+        models=tuple(models) if models else None, **{k: getattr(args, k, None) for k in keys}
+    )
 
 
 def cache_config(args):
@@ -66,8 +98,9 @@ def _generate(args) -> int:
 
     cfg = engine_config(args)
     llm = LLM(**vars(cfg))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=args.seed)  # fmt: skip
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
     images = [Path(p).read_bytes() for p in args.image]
     if args.raw:
         out = llm.generate({"prompt": args.prompt, "images": images}, params)
@@ -97,8 +130,14 @@ def _serve(args) -> int:
 def _up(args) -> int:
     from launch.stack import up
 
-    return up(args, engine_config(args), service_config(args), gateway_config(args),
-              cache_config(args), observability_config(args))  # fmt: skip
+    return up(
+        args,
+        engine_config(args),
+        service_config(args),
+        gateway_config(args),
+        cache_config(args),
+        observability_config(args),
+    )
 
 
 def _health(args) -> int:
@@ -132,8 +171,9 @@ def _health(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve")
     parser.add_argument("--log-level", default=None, help="DEBUG | INFO (default) | WARNING")
-    parser.add_argument("--log-format", default=None, choices=("text", "json"),
-                        help="text (default) | json")  # fmt: skip
+    parser.add_argument(
+        "--log-format", default=None, choices=("text", "json"), help="text (default) | json"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline with the engine in this process")
     gen.add_argument("prompt")
@@ -146,30 +186,44 @@ def build_parser() -> argparse.ArgumentParser:
     observability_args(gen, metrics=False)
     gen.set_defaults(func=_generate)
     docs = dict(epilog=epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    srv = sub.add_parser("serve", help="run one service (or 'all': the aggregated engine)",
-                         description="Run one service until SIGTERM / Ctrl-C (then drain).",
-                         **docs)  # fmt: skip
-    srv.add_argument("role", choices=ROLES,
-                     help="encoder | prefill | decode | cache | gateway | all (aggregated "
-                          "engine behind the gateway)")  # fmt: skip
+    srv = sub.add_parser(
+        "serve",
+        help="run one service (or 'all': the aggregated engine)",
+        description="Run one service until SIGTERM / Ctrl-C (then drain).",
+        **docs,
+    )
+    srv.add_argument(
+        "role",
+        choices=ROLES,
+        help="encoder | prefill | decode | cache | gateway | all (aggregated "
+        "engine behind the gateway)",
+    )
     engine_args(srv)
     service_args(srv)
     observability_args(srv)
     srv.set_defaults(func=_serve)
-    up = sub.add_parser("up", help="start NATS, Redis and every service on this machine",
-                        description="NATS, Redis and every service as processes on this "
-                                    "machine; Ctrl-C stops them all.", **docs)  # fmt: skip
+    up = sub.add_parser(
+        "up",
+        help="start NATS, Redis and every service on this machine",
+        description="NATS, Redis and every service as processes on this "
+        "machine; Ctrl-C stops them all.",
+        **docs,
+    )
     up.add_argument("--decode-replicas", type=int, default=1, help="decode processes (1)")
     up.add_argument("--aggregated", action="store_true", help="run 'serve all' instead of E/P/D")
     engine_args(up)
     service_args(up)
     observability_args(up)
     up.set_defaults(func=_up)
-    hc = sub.add_parser("health", help="exit 0 when the service in this container is up "
-                        "(Docker health checks)")  # fmt: skip
-    hc.add_argument("--gateway", action="store_true",
-                    help="check the gateway's REST GET /health (EPD_HTTP_PORT) instead of a "
-                         "worker's metrics port (EPD_METRICS_PORT)")  # fmt: skip
+    hc = sub.add_parser(
+        "health", help="exit 0 when the service in this container is up (Docker health checks)"
+    )
+    hc.add_argument(
+        "--gateway",
+        action="store_true",
+        help="check the gateway's REST GET /health (EPD_HTTP_PORT) instead of a "
+        "worker's metrics port (EPD_METRICS_PORT)",
+    )
     hc.add_argument("--host", default="127.0.0.1", help="address to ask (127.0.0.1)")
     hc.add_argument("--port", type=int, default=None, help="port to ask instead")
     hc.add_argument("--timeout", type=float, default=3.0, help="seconds (3)")
@@ -185,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from services.observability import configure
 
-        configure(observability_config(args), getattr(args, "role", args.command),
-                  getattr(args, "instance_id", None) or "")  # fmt: skip
+        configure(
+            observability_config(args),
+            getattr(args, "role", args.command),
+            getattr(args, "instance_id", None) or "",
+        )
         return args.func(args)
     except (ValueError, OSError) as e:
         print(f"epd: error: {e}", file=sys.stderr)

@@ -52,6 +52,9 @@ def env_help(title: str, cls: type, width: int = 100) -> str:
         head = f"  EPD_{f.name.upper()}" + (f" (default {default})" if default else "")
         lines.append(head)
         if docs.get(f.name):
-            lines.extend(textwrap.wrap(docs[f.name], width, initial_indent=" " * 6,
-                                       subsequent_indent=" " * 6))  # fmt: skip
+            lines.extend(
+                textwrap.wrap(
+                    docs[f.name], width, initial_indent=" " * 6, subsequent_indent=" " * 6
+                )
+            )
     return "\n".join(lines)

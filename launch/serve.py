@@ -7,8 +7,9 @@ from services.observability import ObservabilityConfig
 from services.runtime import run, serve_until_signal
 
 
-def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None,
-                 cache=None):  # fmt: skip
+def make_service(
+    role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None, cache=None
+):
     if role == "encoder":
         from encoder_svc.service import EncoderService
 
@@ -32,8 +33,14 @@ def make_service(role: str, engine_config: EngineConfig, config: ServiceConfig, 
     raise ValueError(f"unknown role {role!r}")
 
 
-def serve(role: str, engine_config: EngineConfig, config: ServiceConfig, gateway=None,
-          cache=None, observability: ObservabilityConfig | None = None) -> int:  # fmt: skip
+def serve(
+    role: str,
+    engine_config: EngineConfig,
+    config: ServiceConfig,
+    gateway=None,
+    cache=None,
+    observability: ObservabilityConfig | None = None,
+) -> int:
     """``gateway``: the GatewayConfig of the gateway roles (gateway, all); ``cache``: the
     SemanticCacheConfig of the cache service and the gateways; ``observability``: logs
     and the metrics port."""

@@ -48,11 +48,29 @@ def _env(*configs) -> dict[str, str]:
     return env
 
 
-def _spawn(role: str, instance: str, cfg: ServiceConfig, env: dict,
-           metrics_port: int | None, model: str | None = None) -> subprocess.Popen:  # fmt: skip
-    argv = [sys.executable, "-m", "launch.cli", "serve", role, "--nats-url", cfg.nats_url,
-            "--redis-url", cfg.redis_url, "--instance-id", instance,
-            "--grpc-port", str(cfg.grpc_port)]  # fmt: skip
+def _spawn(
+    role: str,
+    instance: str,
+    cfg: ServiceConfig,
+    env: dict,
+    metrics_port: int | None,
+    model: str | None = None,
+) -> subprocess.Popen:
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "serve",
+        role,
+        "--nats-url",
+        cfg.nats_url,
+        "--redis-url",
+        cfg.redis_url,
+        "--instance-id",
+        instance,
+        "--grpc-port",
+        str(cfg.grpc_port),
+    ]
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
     if model is not None:  # a worker of one model among several
@@ -127,8 +145,14 @@ def _metrics_ports(roles: list[Role], first: int | None) -> dict[str, int]:
     return {instance: free_port() for instance in workers}
 
 
-def up(args, engine: EngineConfig, cfg: ServiceConfig, gateway: GatewayConfig,
-       cache: SemanticCacheConfig, observability: ObservabilityConfig | None = None) -> int:  # fmt: skip
+def up(
+    args,
+    engine: EngineConfig,
+    cfg: ServiceConfig,
+    gateway: GatewayConfig,
+    cache: SemanticCacheConfig,
+    observability: ObservabilityConfig | None = None,
+) -> int:
     observability = observability or ObservabilityConfig()
     names = list(gateway.models or (engine.model,))
     # Also generates the demo checkpoint once, before the children.
@@ -170,13 +194,16 @@ def _local_servers(cfg: ServiceConfig):
     n, r = urlsplit(cfg.nats_url.split(",")[0]), urlsplit(cfg.redis_url)
     auth = ""
     if n.username and n.password is not None:
-        auth = (f"authorization {{ user: {json.dumps(unquote(n.username))}, "
-                f"password: {json.dumps(unquote(n.password))} }}")  # fmt: skip
+        auth = (
+            f"authorization {{ user: {json.dumps(unquote(n.username))}, "
+            f"password: {json.dumps(unquote(n.password))} }}"
+        )
     elif n.username:
         auth = f"authorization {{ token: {json.dumps(unquote(n.username))} }}"
     nats = start_nats(port=n.port, extra_config=auth)
-    redis = start_redis(port=r.port, maxmemory="1gb",
-                        password=unquote(r.password) if r.password else None)  # fmt: skip
+    redis = start_redis(
+        port=r.port, maxmemory="1gb", password=unquote(r.password) if r.password else None
+    )
     nats_url = cfg.nats_url.split(",")[0] if auth else nats.url
     return nats, redis, dataclasses.replace(cfg, nats_url=nats_url, redis_url=redis.url)
 
@@ -193,8 +220,14 @@ class _Stop:
         self.asked = True
 
 
-def _wait_ready(children: list[subprocess.Popen], grpc_port: int, models: list[str],
-                stop: _Stop, timeout_s: float = 300, every_s: float = 5) -> None:  # fmt: skip
+def _wait_ready(
+    children: list[subprocess.Popen],
+    grpc_port: int,
+    models: list[str],
+    stop: _Stop,
+    timeout_s: float = 300,
+    every_s: float = 5,
+) -> None:
     """Until the gateway is healthy and lists every model, a progress line every
     ``every_s``; a child that exits first (a bad flag, a model that does not load) ends
     the wait with an error."""
@@ -211,8 +244,7 @@ def _wait_ready(children: list[subprocess.Popen], grpc_port: int, models: list[s
                 raise RuntimeError(f"{', '.join(dead)} exited while starting") from None
             if waited > timeout_s:
                 raise
-            print(f"loading model {model} and starting services ... ({waited:.0f} s)",
-                  flush=True)  # fmt: skip
+            print(f"loading model {model} and starting services ... ({waited:.0f} s)", flush=True)
 
 
 def _banner(models: list[str], http_port: int, grpc_port: int, metrics: dict[str, int]) -> str:
@@ -225,11 +257,14 @@ def _banner(models: list[str], http_port: int, grpc_port: int, metrics: dict[str
         f"  gRPC         127.0.0.1:{grpc_port}   (epd.v1.Inference, health, reflection)",
         f"  dashboard    {base}/dashboard",
         f"  metrics      {base}/metrics   (gateway)",
-    ]  # fmt: skip
-    lines += [f"               http://127.0.0.1:{port}/metrics   ({instance})"
-              for instance, port in metrics.items()]  # fmt: skip
-    lines.append(f"  try:  curl {base}/v1/chat/completions "
-                 f"-H 'Content-Type: application/json' -d '{body}'")  # fmt: skip
+    ]
+    lines += [
+        f"               http://127.0.0.1:{port}/metrics   ({instance})"
+        for instance, port in metrics.items()
+    ]
+    lines.append(
+        f"  try:  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    )
     return "\n".join(lines)
 
 

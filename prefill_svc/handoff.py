@@ -34,9 +34,13 @@ def first_token_update(req: bus_pb2.PrefillRequest, out: RequestOutput) -> bus_p
     comp = out.outputs[0]
     new = comp.token_ids_delta[:1]
     offset = len(comp.token_ids) - len(comp.token_ids_delta)
-    upd = bus_pb2.TokenUpdate(request_id=req.request_id, token_ids=new, offset=offset,
-                              num_cached_tokens=out.num_cached_tokens,
-                              finish_reason=FINISH_TO_PROTO[comp.finish_reason])  # fmt: skip
+    upd = bus_pb2.TokenUpdate(
+        request_id=req.request_id,
+        token_ids=new,
+        offset=offset,
+        num_cached_tokens=out.num_cached_tokens,
+        finish_reason=FINISH_TO_PROTO[comp.finish_reason],
+    )
     if comp.logprobs and new:
         n = req.sampling.logprobs if req.sampling.HasField("logprobs") else 0
         upd.logprobs.append(logprobs_to_proto(logprobs_from_dict(new[0], comp.logprobs[offset], n)))
@@ -48,8 +52,9 @@ def first_token_update(req: bus_pb2.PrefillRequest, out: RequestOutput) -> bus_p
 
 
 class HandOff:
-    def __init__(self, bus: Bus, sender: KVSender, instance_id: str, timeout_s: float,
-                 model_fingerprint: str):  # fmt: skip
+    def __init__(
+        self, bus: Bus, sender: KVSender, instance_id: str, timeout_s: float, model_fingerprint: str
+    ):
         self.bus = bus
         # Decode instances of this model only (epd.decode.<fp>.<id>).
         self.model_fingerprint = model_fingerprint
@@ -57,8 +62,9 @@ class HandOff:
         self.instance_id = instance_id
         self.timeout_s = timeout_s
 
-    async def hand_over(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv,
-                        aux_hidden=None) -> None:  # fmt: skip
+    async def hand_over(
+        self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv, aux_hidden=None
+    ) -> None:
         """Ship the KV and the DecodeRequest (with a draft head's hidden rows, if any); on
         failure the gateway gets a clear error."""
         bind_request(req.request_id)  # this task's log lines are about that request
@@ -69,28 +75,42 @@ class HandOff:
             log.warning(
                 "hand-off of %s to %s failed: %s", req.request_id, req.decode_instance_id, e
             )
-            fail = bus_pb2.TokenUpdate(request_id=req.request_id, offset=upd.offset + 1,
-                                       finish_reason=FINISH_TO_PROTO["error"])  # fmt: skip
-            fail.error.CopyFrom(error(code, f"hand-off to decode instance {req.decode_instance_id} "
-                                            f"failed ({STATUS.get(code, 'UNAVAILABLE')}): {e}"))  # fmt: skip
+            fail = bus_pb2.TokenUpdate(
+                request_id=req.request_id,
+                offset=upd.offset + 1,
+                finish_reason=FINISH_TO_PROTO["error"],
+            )
+            fail.error.CopyFrom(
+                error(
+                    code,
+                    f"hand-off to decode instance {req.decode_instance_id} "
+                    f"failed ({STATUS.get(code, 'UNAVAILABLE')}): {e}",
+                )
+            )
             batch = bus_pb2.TokenBatch(instance_id=self.instance_id, updates=[fail])
             await self.bus.publish(subjects.out(req.gateway_id), batch)
 
-    async def _send(self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv,
-                    aux_hidden=None) -> None:  # fmt: skip
+    async def _send(
+        self, req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, kv, aux_hidden=None
+    ) -> None:
         """KV and DecodeRequest go out together: decode waits for the transfer itself, so
         the hand-off costs one transfer, not a transfer plus a round trip. A decode
         instance without room for the blocks refuses before it takes the transfer: the
         send stops at once and the gateway routes the request elsewhere."""
         tid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         timeout = timeout_for(req.deadline_unix_ms, "KV transfer", self.timeout_s)
-        adopt = asyncio.create_task(self.bus.request(
-            subjects.decode(self.model_fingerprint, req.decode_instance_id), self._decode_request(req, upd, tid, aux_hidden),
-            bus_pb2.DecodeReply, timeout,
-        ))  # fmt: skip
+        adopt = asyncio.create_task(
+            self.bus.request(
+                subjects.decode(self.model_fingerprint, req.decode_instance_id),
+                self._decode_request(req, upd, tid, aux_hidden),
+                bus_pb2.DecodeReply,
+                timeout,
+            )
+        )
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-        send = asyncio.create_task(self.sender.send(req.decode_instance_id, tid, req.request_id,
-                                                    kv, num_tokens, timeout))  # fmt: skip
+        send = asyncio.create_task(
+            self.sender.send(req.decode_instance_id, tid, req.request_id, kv, num_tokens, timeout)
+        )
         start = time.perf_counter()
         try:
             done, _ = await asyncio.wait({adopt, send}, return_when=asyncio.FIRST_COMPLETED)
@@ -108,16 +128,22 @@ class HandOff:
             raise HandOffError(reply.error)
 
     @staticmethod
-    def _decode_request(req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, tid: str,
-                        aux_hidden=None):  # fmt: skip
+    def _decode_request(
+        req: bus_pb2.PrefillRequest, upd: bus_pb2.TokenUpdate, tid: str, aux_hidden=None
+    ):
         dreq = bus_pb2.DecodeRequest(
-            request_id=req.request_id, gateway_id=req.gateway_id,
+            request_id=req.request_id,
+            gateway_id=req.gateway_id,
             token_ids=[*req.prompt_token_ids, *req.output_token_ids],
-            num_prompt_tokens=len(req.prompt_token_ids), first_token_id=upd.token_ids[0],
-            sampling=req.sampling, kv_transfer_id=tid, deadline_unix_ms=req.deadline_unix_ms,
-            eos_token_ids=req.eos_token_ids, max_model_len=req.max_model_len,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            first_token_id=upd.token_ids[0],
+            sampling=req.sampling,
+            kv_transfer_id=tid,
+            deadline_unix_ms=req.deadline_unix_ms,
+            eos_token_ids=req.eos_token_ids,
+            max_model_len=req.max_model_len,
             image_spans=req.image_spans,
-        )  # fmt: skip
+        )
         if upd.logprobs:
             dreq.first_logprobs.CopyFrom(upd.logprobs[0])
         if aux_hidden is not None:  # one row: small next to the message limit

@@ -64,20 +64,32 @@ class PrefillService(EngineService):
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
         except LookupError as e:  # the gateway has it encoded again and pushed here
             return error(bus_pb2.ERROR_CODE_NOT_FOUND, str(e))
-        prompt = {"prompt_token_ids": list(req.prompt_token_ids),
-                  "image_hashes": [s.image_hash for s in req.image_spans]}  # fmt: skip
+        prompt = {
+            "prompt_token_ids": list(req.prompt_token_ids),
+            "image_hashes": [s.image_hash for s in req.image_spans],
+        }
         self.routes[rid] = req
         llm = self.engine.engine
         try:
-            await self.engine.call(lambda: llm.add_request(
-                rid, prompt, params, image_embeds=embeds, export_kv=True,
-                resume=list(req.output_token_ids),
-            ))  # fmt: skip
+            await self.engine.call(
+                lambda: llm.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    image_embeds=embeds,
+                    export_kv=True,
+                    resume=list(req.output_token_ids),
+                )
+            )
         except (ValueError, MemoryError) as e:
             self.routes.pop(rid, None)
             return error(bus_pb2.ERROR_CODE_INVALID_ARGUMENT, str(e))
-        log.debug("prefill admitted: %d prompt tokens, %d images, decode on %s",
-                  len(req.prompt_token_ids), len(req.image_spans), req.decode_instance_id)  # fmt: skip
+        log.debug(
+            "prefill admitted: %d prompt tokens, %d images, decode on %s",
+            len(req.prompt_token_ids),
+            len(req.image_spans),
+            req.decode_instance_id,
+        )
         return None
 
     async def _embeddings(self, req: bus_pb2.PrefillRequest) -> list:
@@ -98,8 +110,10 @@ class PrefillService(EngineService):
                 or list(emb.shape) != [span.length, hidden]
                 or not emb.is_floating_point()
             ):
-                raise ValueError(f"embedding of image {span.image_hash[:12]} is {emb.dtype} "
-                                 f"{list(emb.shape)}, expected floats [{span.length}, {hidden}]")  # fmt: skip
+                raise ValueError(
+                    f"embedding of image {span.image_hash[:12]} is {emb.dtype} "
+                    f"{list(emb.shape)}, expected floats [{span.length}, {hidden}]"
+                )
             # Cast here, per request: a peer's float64 tensor must not reach the batched
             # forward, where it would fail every request in the step.
             out.append(emb.to(llm.loaded.dtype))
@@ -130,8 +144,9 @@ class PrefillService(EngineService):
             )
             batch.updates.append(upd)
             if out.outputs[0].finish_reason is None and out.kv_blocks is not None:
-                self._spawn(self.handoff.hand_over(req, upd, out.kv_blocks, out.aux_hidden),
-                            owner=req)  # fmt: skip
+                self._spawn(
+                    self.handoff.hand_over(req, upd, out.kv_blocks, out.aux_hidden), owner=req
+                )
         for gateway_id, batch in batches.items():
             self._spawn(self.bus.publish(subjects.out(gateway_id), batch))
 

@@ -224,10 +224,13 @@ class ServiceConfig(FromEnv):
 
     def nats_auth(self) -> NatsAuth:
         """The NATS credential and TLS files (URL credentials are added by BusConfig)."""
-        return NatsAuth(creds_file=self.nats_creds or None,
-                        nkey_seed_file=self.nats_nkey_seed or None,
-                        tls_ca=self.nats_tls_ca or None, tls_cert=self.nats_tls_cert or None,
-                        tls_key=self.nats_tls_key or None)  # fmt: skip
+        return NatsAuth(
+            creds_file=self.nats_creds or None,
+            nkey_seed_file=self.nats_nkey_seed or None,
+            tls_ca=self.nats_tls_ca or None,
+            tls_cert=self.nats_tls_cert or None,
+            tls_key=self.nats_tls_key or None,
+        )
 
     def _check_secrets(self) -> None:
         auth = self.nats_auth()  # raises on a cert without a key, creds and seed both, ...
@@ -239,8 +242,14 @@ class ServiceConfig(FromEnv):
 
     def __post_init__(self) -> None:
         self._check_secrets()
-        for name in ("request_timeout_s", "stall_timeout_s", "bus_timeout_s", "heartbeat_s",
-                     "instance_ttl_s", "shutdown_grace_s"):  # fmt: skip
+        for name in (
+            "request_timeout_s",
+            "stall_timeout_s",
+            "bus_timeout_s",
+            "heartbeat_s",
+            "instance_ttl_s",
+            "shutdown_grace_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         # Port 0 asks the OS for a free port (tests).

@@ -57,8 +57,13 @@ class EngineService(Service):
 
     def report_load(self) -> Load:
         load = self.engine.load()
-        return Load(load["running"], load["waiting"], load["free_blocks"], load["total_blocks"],
-                    steps=load["steps"])  # fmt: skip
+        return Load(
+            load["running"],
+            load["waiting"],
+            load["free_blocks"],
+            load["total_blocks"],
+            steps=load["steps"],
+        )
 
     def busy(self) -> bool:
         return bool(self.routes or self._tasks)

@@ -22,8 +22,15 @@ from services.bus.messages import decode, encode
 
 
 class KVSender(Protocol):
-    async def send(self, decode_id: str, transfer_id: str, request_id: str, kv: torch.Tensor,
-                   num_tokens: int, timeout_s: float) -> int: ...  # fmt: skip
+    async def send(
+        self,
+        decode_id: str,
+        transfer_id: str,
+        request_id: str,
+        kv: torch.Tensor,
+        num_tokens: int,
+        timeout_s: float,
+    ) -> int: ...
 
 
 class KVReceiver(Protocol):
@@ -41,13 +48,26 @@ class NatsKVSender:
         engine exports KV to host memory (KVCachePool.read_blocks); a device tensor is
         staged here as a fallback."""
         kv = kv.cpu().contiguous()
-        layout = bus_pb2.KvLayout(num_layers=kv.shape[1], num_kv_heads=kv.shape[4], head_dim=kv.shape[5],
-                                  block_size=kv.shape[3], dtype=dtype_name(kv.dtype), shape=list(kv.shape))  # fmt: skip
+        layout = bus_pb2.KvLayout(
+            num_layers=kv.shape[1],
+            num_kv_heads=kv.shape[4],
+            head_dim=kv.shape[5],
+            block_size=kv.shape[3],
+            dtype=dtype_name(kv.dtype),
+            shape=list(kv.shape),
+        )
         payload = kv.view(torch.uint8).reshape(-1).numpy()
-        header = bus_pb2.KvHeader(request_id=request_id, num_tokens=num_tokens, layout=layout,
-                                  total_bytes=payload.nbytes)  # fmt: skip
-        await send_chunked(self.bus, subjects.kv(decode_id), encode(header), memoryview(payload),
-                           timeout_s=timeout_s, transfer_id=transfer_id)  # fmt: skip
+        header = bus_pb2.KvHeader(
+            request_id=request_id, num_tokens=num_tokens, layout=layout, total_bytes=payload.nbytes
+        )
+        await send_chunked(
+            self.bus,
+            subjects.kv(decode_id),
+            encode(header),
+            memoryview(payload),
+            timeout_s=timeout_s,
+            transfer_id=transfer_id,
+        )
         return payload.nbytes
 
 

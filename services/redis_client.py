@@ -45,8 +45,10 @@ def check_redis_url(url: str) -> None:
     """ValueError (with the password masked) unless ``url`` is one this module opens."""
     scheme = urlsplit(url).scheme
     if scheme not in PLAIN_SCHEMES + SENTINEL_SCHEMES:
-        raise ValueError(f"redis URL must be redis://, rediss://, unix:// or redis+sentinel://"
-                         f" (rediss+sentinel://), got {redact(url)!r}")  # fmt: skip
+        raise ValueError(
+            f"redis URL must be redis://, rediss://, unix:// or redis+sentinel://"
+            f" (rediss+sentinel://), got {redact(url)!r}"
+        )
     query = _query(url)
     allowed = {"db", *TLS_PARAMS, *(_SENTINEL_AUTH if scheme in SENTINEL_SCHEMES else ())}
     unknown = sorted(set(query) - allowed)
@@ -107,14 +109,21 @@ def _sentinel_client(url: str, **options: Any) -> aioredis.Redis:
     sentinels, service, db = sentinel_address(url)
     parts, query = urlsplit(url), _query(url)
     tls = _tls_kwargs(query) if parts.scheme.startswith("rediss") else {}
-    auth = {"username": unquote(parts.username) if parts.username else None,
-            "password": unquote(parts.password) if parts.password else None}  # fmt: skip
+    auth = {
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+    }
     timeouts = {k: v for k, v in options.items() if k.startswith("socket_")}
-    sentinel_kwargs = {**timeouts, **tls, "username": query.get("sentinel_username") or None,
-                       "password": query.get("sentinel_password") or None}  # fmt: skip
+    sentinel_kwargs = {
+        **timeouts,
+        **tls,
+        "username": query.get("sentinel_username") or None,
+        "password": query.get("sentinel_password") or None,
+    }
     sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
-    client = sentinel.master_for(service, redis_class=_SentinelRedis, db=db, **auth, **tls,
-                                 **options)  # fmt: skip
+    client = sentinel.master_for(
+        service, redis_class=_SentinelRedis, db=db, **auth, **tls, **options
+    )
     client.sentinel = sentinel
     return client
 

@@ -117,9 +117,14 @@ class Service:
             # Answered while the process lives: routers tell a dead instance (no
             # responders at once) from a slow one long before its heartbeats expire.
             await self.bus.subscribe(subjects.ping(self.instance_id), _pong)
-            self.heartbeat = HeartbeatPublisher(self.bus, self.role, self.instance_id,
-                                                self._beat_load, interval_s=self.config.heartbeat_s,
-                                                model=self.model_fingerprint)  # fmt: skip
+            self.heartbeat = HeartbeatPublisher(
+                self.bus,
+                self.role,
+                self.instance_id,
+                self._beat_load,
+                interval_s=self.config.heartbeat_s,
+                model=self.model_fingerprint,
+            )
             await self.heartbeat.start()
         log.info("%s %s ready", self.role, self.instance_id)
 
@@ -134,9 +139,16 @@ class Service:
         """Something in flight finished: the drain re-checks whether it is idle."""
         self._progress.set()
 
-    async def serve_work(self, subject: str, handler: Handler, refusal: type[Message] | None = None,
-                         *, queue: str | None = None, max_concurrency: int = 64,
-                         while_draining: bool = False) -> Subscription:  # fmt: skip
+    async def serve_work(
+        self,
+        subject: str,
+        handler: Handler,
+        refusal: type[Message] | None = None,
+        *,
+        queue: str | None = None,
+        max_concurrency: int = 64,
+        while_draining: bool = False,
+    ) -> Subscription:
         """Subscribe a work subject whose handlers count as in flight.
 
         With ``queue`` the subject is left at the drain (replicas share it). Without, a
@@ -202,12 +214,19 @@ class Service:
         self.draining = True
         if self.heartbeat is not None:
             await self.heartbeat.beat()  # now, not a period later; the loop keeps beating
-        log.info("%s %s draining (grace %.1fs)", self.role, self.instance_id,
-                 self.config.shutdown_grace_s)  # fmt: skip
+        log.info(
+            "%s %s draining (grace %.1fs)",
+            self.role,
+            self.instance_id,
+            self.config.shutdown_grace_s,
+        )
         await _bounded(self.stop_intake(), deadline, "stop intake")
         if not await self._wait_idle(deadline):
-            log.warning("%s %s: work still in flight at the end of the grace; handing it back",
-                        self.role, self.instance_id)  # fmt: skip
+            log.warning(
+                "%s %s: work still in flight at the end of the grace; handing it back",
+                self.role,
+                self.instance_id,
+            )
         await self.hand_back()
 
     async def _wait_idle(self, deadline: float) -> bool:
@@ -224,9 +243,11 @@ class Service:
     async def _close(self) -> None:
         """Each step runs even when one before it failed."""
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
-            ("heartbeat", self._stop_heartbeat), ("bus", self._close_bus),
-            ("resources", self.release), ("metrics", self._stop_metrics),
-        ]  # fmt: skip
+            ("heartbeat", self._stop_heartbeat),
+            ("bus", self._close_bus),
+            ("resources", self.release),
+            ("metrics", self._stop_metrics),
+        ]
         for what, step in steps:
             try:
                 await step()

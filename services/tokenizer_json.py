@@ -20,8 +20,15 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-            "mask_token")  # fmt: skip
+_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class _Generation(Extension):
@@ -43,8 +50,9 @@ def _raise(message: str):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _token_text(value) -> str | None:
@@ -93,18 +101,28 @@ class JsonTokenizer:
     def convert_tokens_to_ids(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = False, **kwargs):  # fmt: skip
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        **kwargs,
+    ):
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template")
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens, **kwargs)  # fmt: skip
+        text = self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+            **kwargs,
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @cached_property
     def _template(self):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_Generation, loopcontrols])  # fmt: skip
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -127,8 +145,18 @@ def _chat_template(model_dir: Path, config: dict) -> str | None:
     return template
 
 
-_CLEANUPS = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]  # fmt: skip
+_CLEANUPS = [
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+]
 
 
 def _clean_up(text: str) -> str:

@@ -8,21 +8,37 @@ from services.engine.request import ImageSpan
 from services.outputs import Logprob, TokenLogprobs
 from services.sampling_params import SamplingParams
 
-_SCALARS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
-            "temperature", "top_p", "repetition_penalty")  # fmt: skip
+_SCALARS = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+)
 
-FINISH_TO_PROTO = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-                   "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
-                   "error": pb.FINISH_REASON_ERROR}  # fmt: skip
+FINISH_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
 
 # Bus error codes -> grpc.StatusCode names.
-STATUS = {bus_pb2.ERROR_CODE_INVALID_ARGUMENT: "INVALID_ARGUMENT",
-          bus_pb2.ERROR_CODE_NOT_FOUND: "NOT_FOUND",
-          bus_pb2.ERROR_CODE_DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
-          bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
-          bus_pb2.ERROR_CODE_UNAVAILABLE: "UNAVAILABLE", bus_pb2.ERROR_CODE_ABORTED: "ABORTED",
-          bus_pb2.ERROR_CODE_INTERNAL: "INTERNAL"}  # fmt: skip
+STATUS = {
+    bus_pb2.ERROR_CODE_INVALID_ARGUMENT: "INVALID_ARGUMENT",
+    bus_pb2.ERROR_CODE_NOT_FOUND: "NOT_FOUND",
+    bus_pb2.ERROR_CODE_DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
+    bus_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+    bus_pb2.ERROR_CODE_UNAVAILABLE: "UNAVAILABLE",
+    bus_pb2.ERROR_CODE_ABORTED: "ABORTED",
+    bus_pb2.ERROR_CODE_INTERNAL: "INTERNAL",
+}
 
 
 def error(code: int, message: str) -> bus_pb2.Error:
@@ -30,9 +46,13 @@ def error(code: int, message: str) -> bus_pb2.Error:
 
 
 def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(**{k: getattr(sp, k) for k in _SCALARS},
-                            stop_token_ids=sp.stop_token_ids, stop=sp.stop,
-                            skip_special_tokens=sp.skip_special_tokens, detokenize=sp.detokenize)  # fmt: skip
+    msg = pb.SamplingParams(
+        **{k: getattr(sp, k) for k in _SCALARS},
+        stop_token_ids=sp.stop_token_ids,
+        stop=sp.stop,
+        skip_special_tokens=sp.skip_special_tokens,
+        detokenize=sp.detokenize,
+    )
     for name in ("seed", "max_tokens", "logprobs", "n"):
         if getattr(sp, name) is not None:
             setattr(msg, name, getattr(sp, name))
@@ -46,8 +66,17 @@ def params_kwargs(msg: pb.SamplingParams) -> dict:
         for k in _SCALARS
         if k not in ("temperature", "top_p", "repetition_penalty")
     }
-    for name in ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",
-                 "skip_special_tokens", "detokenize", "n"):  # fmt: skip
+    for name in (
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "seed",
+        "max_tokens",
+        "logprobs",
+        "skip_special_tokens",
+        "detokenize",
+        "n",
+    ):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     return dict(kw, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids))
@@ -61,9 +90,12 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 def logprobs_to_proto(lp: TokenLogprobs | None) -> bus_pb2.TokenLogprobs:
     if lp is None:
         return bus_pb2.TokenLogprobs()
-    return bus_pb2.TokenLogprobs(logprob=lp.logprob, rank=lp.rank,
-                                 top_token_ids=[t for t, _ in lp.top],
-                                 top_logprobs=[v for _, v in lp.top])  # fmt: skip
+    return bus_pb2.TokenLogprobs(
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_token_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+    )
 
 
 def logprobs_from_proto(token_id: int, msg: bus_pb2.TokenLogprobs) -> TokenLogprobs:
@@ -83,5 +115,12 @@ def logprobs_from_dict(token_id: int, d: dict[int, Logprob] | None, n: int) -> T
 
 
 def spans_to_proto(spans: list[ImageSpan], keys: dict[str, str]) -> list[bus_pb2.ImageSpan]:
-    return [bus_pb2.ImageSpan(offset=s.offset, length=s.length, image_hash=s.image_hash,
-                              embedding_key=keys.get(s.image_hash, "")) for s in spans]  # fmt: skip
+    return [
+        bus_pb2.ImageSpan(
+            offset=s.offset,
+            length=s.length,
+            image_hash=s.image_hash,
+            embedding_key=keys.get(s.image_hash, ""),
+        )
+        for s in spans
+    ]

@@ -20,11 +20,18 @@ ROLES = (subjects.ROLE_ENCODE, subjects.ROLE_PREFILL, subjects.ROLE_DECODE)
 def instance_row(info: InstanceInfo, state: str, age_s: float, inflight: int | None) -> dict:
     """One table row (``inflight``: this gateway's requests there; None: not routed here)."""
     load = info.load
-    return {"role": info.role, "id": info.instance_id, "model": info.model,
-            "running": load.running, "waiting": load.waiting,
-            "free_kv_blocks": load.free_kv_blocks, "total_kv_blocks": load.total_kv_blocks,
-            "inflight": inflight, "heartbeat_age_s": round(max(age_s, 0.0), 3),
-            "state": state}  # fmt: skip
+    return {
+        "role": info.role,
+        "id": info.instance_id,
+        "model": info.model,
+        "running": load.running,
+        "waiting": load.waiting,
+        "free_kv_blocks": load.free_kv_blocks,
+        "total_kv_blocks": load.total_kv_blocks,
+        "inflight": inflight,
+        "heartbeat_age_s": round(max(age_s, 0.0), 3),
+        "state": state,
+    }
 
 
 class FleetView:
@@ -37,8 +44,13 @@ class FleetView:
     backend's), whose leases make the in-flight column.
     """
 
-    def __init__(self, backend, gone_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, routers: list | None = None):  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        gone_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        routers: list | None = None,
+    ):
         self.backend, self.gone_s, self._clock = backend, gone_s, clock
         self._routers = routers
         self._cache_registry: InstanceRegistry | None = None

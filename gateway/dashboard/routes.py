@@ -18,15 +18,22 @@ from gateway.core import GatewayCore
 from gateway.dashboard.state import DashboardState
 from gateway.semantic_router.dashboard import decisions_document
 
-_TYPES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
-          "style.css": "text/css; charset=utf-8"}  # fmt: skip
+_TYPES = {
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
 # The state changes every second: never cached. The assets are revalidated (no-cache), so
 # a browser picks up an upgraded gateway's page.
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
-def add_dashboard_routes(app: FastAPI, core: GatewayCore, cores: list[GatewayCore] | None = None,
-                         router: Callable[[], object] | None = None) -> None:  # fmt: skip
+def add_dashboard_routes(
+    app: FastAPI,
+    core: GatewayCore,
+    cores: list[GatewayCore] | None = None,
+    router: Callable[[], object] | None = None,
+) -> None:
     """GET /dashboard, /dashboard/app.js, /dashboard/style.css, /dashboard/api/state and
     /dashboard/api/router. ``cores``: every model the gateway serves (``core``: the
     default one's); ``router``: the semantic router's hook, when there is one."""
@@ -36,16 +43,17 @@ def add_dashboard_routes(app: FastAPI, core: GatewayCore, cores: list[GatewayCor
 
     def serve(name: str):
         async def asset() -> Response:
-            return Response(assets[name], media_type=_TYPES[name],
-                            headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return Response(
+                assets[name], media_type=_TYPES[name], headers={"Cache-Control": "no-cache"}
+            )
 
         return asset
 
-    app.add_api_route("/dashboard", serve("index.html"), methods=["GET"],
-                      include_in_schema=False)  # fmt: skip
+    app.add_api_route("/dashboard", serve("index.html"), methods=["GET"], include_in_schema=False)
     for name in ("app.js", "style.css"):
-        app.add_api_route(f"/dashboard/{name}", serve(name), methods=["GET"],
-                          include_in_schema=False)  # fmt: skip
+        app.add_api_route(
+            f"/dashboard/{name}", serve(name), methods=["GET"], include_in_schema=False
+        )
 
     @app.get("/dashboard/api/state", include_in_schema=False)
     async def dashboard_state() -> Response:

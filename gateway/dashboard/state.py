@@ -30,9 +30,13 @@ class DashboardState:
         names = {c.info.fingerprint: c.info.model_id for c in self.cores}
         for row in instances:  # fingerprints are for machines; people know the model's name
             row["model"] = names.get(row["model"], row["model"])
-        return {"model": ", ".join(names.values()), "mode": "disaggregated" if fleet else "aggregated",
-                "uptime_s": round(time.monotonic() - self.started, 1),
-                "instances": instances, "stats": core.stats.snapshot()}  # fmt: skip
+        return {
+            "model": ", ".join(names.values()),
+            "mode": "disaggregated" if fleet else "aggregated",
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "instances": instances,
+            "stats": core.stats.snapshot(),
+        }
 
     async def _fleet_rows(self, backend) -> list[dict]:
         if backend.registry is None:  # not started yet
@@ -43,17 +47,31 @@ class DashboardState:
 
     def _gateway_row(self, backend) -> dict:
         inflight = sum(c.inflight for c in self.cores)
-        return {"role": "gateway", "id": getattr(backend, "gateway_id", "") or "this gateway",
-                "model": ", ".join(c.info.model_id for c in self.cores), "running": inflight,
-                "waiting": 0, "free_kv_blocks": None, "total_kv_blocks": None, "inflight": inflight,
-                "heartbeat_age_s": 0.0,
-                "state": "serving" if backend.ready() else "not ready"}  # fmt: skip
+        return {
+            "role": "gateway",
+            "id": getattr(backend, "gateway_id", "") or "this gateway",
+            "model": ", ".join(c.info.model_id for c in self.cores),
+            "running": inflight,
+            "waiting": 0,
+            "free_kv_blocks": None,
+            "total_kv_blocks": None,
+            "inflight": inflight,
+            "heartbeat_age_s": 0.0,
+            "state": "serving" if backend.ready() else "not ready",
+        }
 
     def _engine_row(self, backend) -> dict:
         """``serve all``: the engine in this process (its load read racily, as heartbeats do)."""
         load = backend.engine.load()
-        return {"role": "engine", "id": "in-process", "model": self.core.info.model_id,
-                "running": load["running"], "waiting": load["waiting"],
-                "free_kv_blocks": load["free_blocks"], "total_kv_blocks": load["total_blocks"],
-                "inflight": self.core.inflight, "heartbeat_age_s": 0.0,
-                "state": "serving" if backend.engine.alive else "gone"}  # fmt: skip
+        return {
+            "role": "engine",
+            "id": "in-process",
+            "model": self.core.info.model_id,
+            "running": load["running"],
+            "waiting": load["waiting"],
+            "free_kv_blocks": load["free_blocks"],
+            "total_kv_blocks": load["total_blocks"],
+            "inflight": self.core.inflight,
+            "heartbeat_age_s": 0.0,
+            "state": "serving" if backend.engine.alive else "gone",
+        }

@@ -48,8 +48,14 @@ class RollingStats:
 
     # max_samples: 128 per bucket keeps a poll at ~2 ms of the event loop when every bucket
     # is full (60 x 128 samples sorted per metric); 512 cost ~70 ms.
-    def __init__(self, bucket_s: float = 5.0, buckets: int = 60, max_samples: int = 128,
-                 clock: Callable[[], float] = time.monotonic, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        bucket_s: float = 5.0,
+        buckets: int = 60,
+        max_samples: int = 128,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+    ):
         if bucket_s <= 0 or buckets < 1 or max_samples < 1:
             raise ValueError("bucket_s > 0, buckets >= 1 and max_samples >= 1 are required")
         self.bucket_s, self.buckets, self.max_samples = bucket_s, buckets, max_samples
@@ -58,8 +64,9 @@ class RollingStats:
         self._ring: deque[_Bucket] = deque()
         self._closed: dict[int, dict] = {}  # summaries of buckets that take no more samples
 
-    def observe(self, *, ttft_s: float | None, tpot_s: float | None, tokens: int, ok: bool,
-                cache: str) -> None:  # fmt: skip
+    def observe(
+        self, *, ttft_s: float | None, tpot_s: float | None, tokens: int, ok: bool, cache: str
+    ) -> None:
         """One finished request: its time to first token and per output token (None when
         it has no such time), the tokens it streamed, whether it completed, and its cache
         outcome (one of CACHE_OUTCOMES)."""
@@ -76,8 +83,14 @@ class RollingStats:
             b.seen_tpot += 1
             self._keep(b.tpot, b.seen_tpot, tpot_s)
 
-    def observe_run(self, start: float, first_at: float | None, token_counts: Sequence[int],
-                    ok: bool, cache: str) -> None:  # fmt: skip
+    def observe_run(
+        self,
+        start: float,
+        first_at: float | None,
+        token_counts: Sequence[int],
+        ok: bool,
+        cache: str,
+    ) -> None:
         """``observe`` from a request's ``time.perf_counter()`` readings (its start, its
         first token's) and its choices' token counts; TPOT is that of its longest choice."""
         end = time.perf_counter()
@@ -98,8 +111,12 @@ class RollingStats:
             b = by_index.get(index) or _Bucket(index)
             span = now - index * self.bucket_s if index == current else self.bucket_s
             rows.append(self._summary(b, closed=index != current, span_s=max(span, 1e-3)))
-        return {"bucket_s": self.bucket_s, "window_s": self.bucket_s * self.buckets,
-                "buckets": rows, "totals": self._totals(rows)}  # fmt: skip
+        return {
+            "bucket_s": self.bucket_s,
+            "window_s": self.bucket_s * self.buckets,
+            "buckets": rows,
+            "totals": self._totals(rows),
+        }
 
     def _current(self) -> _Bucket:
         index = math.floor(self._clock() / self.bucket_s)
@@ -124,9 +141,15 @@ class RollingStats:
     def _summary(self, b: _Bucket, closed: bool, span_s: float) -> dict:
         if closed and b.index in self._closed:
             return self._closed[b.index]
-        row = {"requests": b.requests, "errors": b.errors, "tokens": b.tokens,
-               "span_s": span_s, "ttft": percentiles(b.ttft),
-               "tpot": percentiles(b.tpot), "cache": dict(b.cache)}  # fmt: skip
+        row = {
+            "requests": b.requests,
+            "errors": b.errors,
+            "tokens": b.tokens,
+            "span_s": span_s,
+            "ttft": percentiles(b.ttft),
+            "tpot": percentiles(b.tpot),
+            "cache": dict(b.cache),
+        }
         if closed and b.requests:
             self._closed[b.index] = row
         return row
@@ -140,8 +163,12 @@ class RollingStats:
         ttft = [x for b in self._ring for x in b.ttft]
         tpot = [x for b in self._ring for x in b.tpot]
         looked_up = cache["hit-exact"] + cache["hit-semantic"] + cache["miss"]
-        return {"requests": sum(r["requests"] for r in rows),
-                "errors": sum(r["errors"] for r in rows),
-                "tokens": sum(r["tokens"] for r in rows),
-                "ttft": percentiles(ttft), "tpot": percentiles(tpot), "cache": cache,
-                "hit_rate": (looked_up - cache["miss"]) / looked_up if looked_up else None}  # fmt: skip
+        return {
+            "requests": sum(r["requests"] for r in rows),
+            "errors": sum(r["errors"] for r in rows),
+            "tokens": sum(r["tokens"] for r in rows),
+            "ttft": percentiles(ttft),
+            "tpot": percentiles(tpot),
+            "cache": cache,
+            "hit_rate": (looked_up - cache["miss"]) / looked_up if looked_up else None,
+        }

@@ -58,29 +58,49 @@ def build_app(served: GatewayCore | ModelSet) -> GatewayMiddleware:
     app.add_exception_handler(HTTPException, _http_error)
     app.openapi = lambda: _openapi(app)
     limit = core.config.max_body_mb << 20
-    return GatewayMiddleware(app, api_keys=core.config.api_key, max_body_bytes=limit,
-                             direct=direct)  # fmt: skip
+    return GatewayMiddleware(app, api_keys=core.config.api_key, max_body_bytes=limit, direct=direct)
 
 
 def _post_routes(app: FastAPI, models: ModelSet) -> dict[str, Callable]:
     media = MediaLoader(models.default.config)
     routes: list[tuple[str, type[BaseModel], Handler, str]] = [
-        ("/v1/chat/completions", ChatCompletionRequest,
-         lambda b, call: chat_completion(models, media, b, call), "Create a chat completion"),
-        ("/v1/completions", CompletionRequest, lambda b, call: completion(models, b, call),
-         "Create a text completion"),
-        ("/tokenize", TokenizeRequest,
-         lambda b, call: tokenize(models.lookup(b.model or ""), b, call.headers), "Tokenize"),
-        ("/detokenize", DetokenizeRequest,
-         lambda b, call: detokenize(models.lookup(b.model or ""), b, call.headers), "Detokenize"),
-    ]  # fmt: skip
+        (
+            "/v1/chat/completions",
+            ChatCompletionRequest,
+            lambda b, call: chat_completion(models, media, b, call),
+            "Create a chat completion",
+        ),
+        (
+            "/v1/completions",
+            CompletionRequest,
+            lambda b, call: completion(models, b, call),
+            "Create a text completion",
+        ),
+        (
+            "/tokenize",
+            TokenizeRequest,
+            lambda b, call: tokenize(models.lookup(b.model or ""), b, call.headers),
+            "Tokenize",
+        ),
+        (
+            "/detokenize",
+            DetokenizeRequest,
+            lambda b, call: detokenize(models.lookup(b.model or ""), b, call.headers),
+            "Detokenize",
+        ),
+    ]
     direct = {}
     for path, model, handler, summary in routes:
         ref = {"$ref": f"#/components/schemas/{model.__name__}"}
         body = {"required": True, "content": {"application/json": {"schema": ref}}}
         direct[path] = _endpoint(model, handler)
-        app.add_api_route(path, direct[path], methods=["POST"], summary=summary,
-                          openapi_extra={"requestBody": body})  # fmt: skip
+        app.add_api_route(
+            path,
+            direct[path],
+            methods=["POST"],
+            summary=summary,
+            openapi_extra={"requestBody": body},
+        )
     return direct
 
 

@@ -30,8 +30,12 @@ class TextRenderer:
             if self.logprobs
             else None
         )
-        return {"index": prompt * self.n + stream.index, "text": prefix + stream.text,
-                "logprobs": lps, "finish_reason": finish_reason(stream)}  # fmt: skip
+        return {
+            "index": prompt * self.n + stream.index,
+            "text": prefix + stream.text,
+            "logprobs": lps,
+            "finish_reason": finish_reason(stream),
+        }
 
     def chunk_choice(self, prompt: int, delta: Delta, stream: OutputStream, first: bool) -> dict:
         text = (self._prefix(prompt) if first else "") + delta.text
@@ -43,8 +47,12 @@ class TextRenderer:
             lps = completion_logprobs(
                 self.tokenizer, delta.logprobs, offset + len(text) - len(delta.text)
             )
-        return {"index": prompt * self.n + delta.index, "text": text, "logprobs": lps,
-                "finish_reason": finish_reason(stream) if delta.finish_reason else None}  # fmt: skip
+        return {
+            "index": prompt * self.n + delta.index,
+            "text": text,
+            "logprobs": lps,
+            "finish_reason": finish_reason(stream) if delta.finish_reason else None,
+        }
 
 
 async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Response:
@@ -56,9 +64,16 @@ async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Re
     for prompt in req.prompts():
         text = prompt if isinstance(prompt, str) else None
         ids = None if isinstance(prompt, str) else list(prompt)
-        kwargs = dict(model=model, params=params, prompt=text, prompt_token_ids=ids,
-                      request_id=call.client_id, tenant=call.tenant(req.user),
-                      cache_mode=call.cache_mode, session_key=call.session or req.user or "")  # fmt: skip
+        kwargs = dict(
+            model=model,
+            params=params,
+            prompt=text,
+            prompt_token_ids=ids,
+            request_id=call.client_id,
+            tenant=call.tenant(req.user),
+            cache_mode=call.cache_mode,
+            session_key=call.session or req.user or "",
+        )
         if core is None:
             core, prep = await models.prepare(**kwargs)
             model = core.info.model_id
@@ -67,8 +82,12 @@ async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Re
         preps.append(prep)
     echo = None
     if req.echo:
-        echo = [p.prompt_text if p.prompt_text is not None
-                else core.tokenizer.decode(p.prompt_token_ids) for p in preps]  # fmt: skip
+        echo = [
+            p.prompt_text
+            if p.prompt_text is not None
+            else core.tokenizer.decode(p.prompt_token_ids)
+            for p in preps
+        ]
     renderer = TextRenderer(core.tokenizer, req.n, req.logprobs is not None, echo)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await CompletionRun(core, preps, renderer).respond(

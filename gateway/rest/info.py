@@ -15,9 +15,15 @@ from services.chat import render_chat
 
 def model_card(core: GatewayCore) -> dict:
     info = core.info
-    return {"id": info.model_id, "object": "model", "created": int(time.time()),
-            "owned_by": "epd-serve", "root": info.model_id, "max_model_len": info.max_model_len,
-            "vision": info.vision}  # fmt: skip
+    return {
+        "id": info.model_id,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "epd-serve",
+        "root": info.model_id,
+        "max_model_len": info.max_model_len,
+        "vision": info.vision,
+    }
 
 
 async def tokenize(core: GatewayCore, req: TokenizeRequest, headers: dict) -> Response:

@@ -108,8 +108,9 @@ class MediaLoader:
         literal = f"[{address}]" if ":" in address else address
         target = urlunsplit((parts.scheme, f"{literal}:{port}", parts.path or "/", parts.query, ""))
         headers = {"Host": parts.netloc.rsplit("@", 1)[-1], "Accept": "image/*"}
-        request = client.build_request("GET", target, headers=headers,
-                                       extensions={"sni_hostname": host})  # fmt: skip
+        request = client.build_request(
+            "GET", target, headers=headers, extensions={"sni_hostname": host}
+        )
         response = await client.send(request, stream=True)
         try:
             if response.status_code in (301, 302, 303, 307, 308):

@@ -34,9 +34,13 @@ class Call:
     def of(cls, request: Request, headers: dict) -> Call:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else ""
-        return cls(request.headers.get("x-request-id"), headers,
-                   request.headers.get("x-epd-cache", "default").strip().lower(), key,
-                   request.headers.get("x-session-id", ""))  # fmt: skip
+        return cls(
+            request.headers.get("x-request-id"),
+            headers,
+            request.headers.get("x-epd-cache", "default").strip().lower(),
+            key,
+            request.headers.get("x-session-id", ""),
+        )
 
     def tenant(self, user: str | None) -> str:
         """Whose cached answers this call may share: its API key's, and its ``user``'s."""
@@ -45,8 +49,13 @@ class Call:
 
 
 class GatewayMiddleware:
-    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int,
-                 direct: dict[str, Callable] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        app,
+        api_keys: tuple[str, ...],
+        max_body_bytes: int,
+        direct: dict[str, Callable] | None = None,
+    ):
         """``direct``: POST path -> ``async (Request) -> Response``, served without
         FastAPI's routing (``app`` serves every other request)."""
         self.app = app
@@ -61,8 +70,9 @@ class GatewayMiddleware:
         rid = headers.get(b"x-request-id", b"").decode("latin-1") or f"req-{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = rid
         if self.api_keys and scope["path"].startswith("/v1/") and not self._authorized(headers):
-            failure = RequestFailure("UNAUTHENTICATED", "a valid API key is required "
-                                     "(Authorization: Bearer <key>)")  # fmt: skip
+            failure = RequestFailure(
+                "UNAUTHENTICATED", "a valid API key is required (Authorization: Bearer <key>)"
+            )
             return await _reply(send, failure, rid, {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -81,8 +91,9 @@ class GatewayMiddleware:
         return ok and any(hmac.compare_digest(token, key) for key in self.api_keys)
 
     def _too_large(self) -> RequestFailure:
-        return RequestFailure("PAYLOAD_TOO_LARGE",
-                              f"the request body is over {self.max_body_bytes} bytes")  # fmt: skip
+        return RequestFailure(
+            "PAYLOAD_TOO_LARGE", f"the request body is over {self.max_body_bytes} bytes"
+        )
 
     def _limited(self, receive):
         seen = 0
@@ -113,8 +124,11 @@ class GatewayMiddleware:
 
 async def _reply(send, failure: RequestFailure, rid: str, extra: dict | None = None) -> None:
     body = json.dumps(failure.openai_body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-request-id", rid.encode("latin-1"))]  # fmt: skip
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode("latin-1")),
+    ]
     headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
     await send({"type": "http.response.start", "status": failure.http_status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

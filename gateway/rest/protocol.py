@@ -99,12 +99,22 @@ class _Sampling(_Body):
     def sampling_kwargs(self, max_tokens: int | None) -> dict:
         """SamplingParams keywords of the fields the client set (None: server default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    min_p=self.min_p, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, seed=self.seed,
-                    max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop or None,
-                    ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)  # fmt: skip
+        return dict(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop or None,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class ChatCompletionRequest(_Sampling):

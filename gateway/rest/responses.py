@@ -36,9 +36,12 @@ def usage(preps: list[PreparedRequest], streams: list[list[OutputStream]]) -> di
     prompt = sum(len(p.prompt_token_ids) for p in preps)
     completion = sum(len(s.token_ids) for group in streams for s in group)
     cached = sum(max((s.num_cached_tokens for s in group), default=0) for group in streams)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _lp(value: float) -> float:
@@ -100,8 +103,10 @@ class SSEResponse:
     def __init__(self, events: AsyncIterator[bytes], request_id: str, headers: dict):
         self.events, self.request_id = events, request_id
         self.headers = [(k.lower().encode(), str(v).encode("latin-1")) for k, v in headers.items()]
-        self.headers += [(b"content-type", b"text/event-stream; charset=utf-8"),
-                         (b"cache-control", b"no-cache")]  # fmt: skip
+        self.headers += [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+        ]
 
     async def __call__(self, scope, receive, send) -> None:
         streamer = asyncio.current_task()

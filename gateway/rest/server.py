@@ -36,9 +36,16 @@ class RestServer:
         self.port = sock.getsockname()[1]
         # httptools: the C parser (h11, uvicorn's pure-Python fallback, costs ~1 ms a
         # request here); no proxy-header rewriting: the gateway is the edge.
-        config = uvicorn.Config(build_app(self.served), http="httptools", log_level="warning",
-                                lifespan="off", access_log=False, proxy_headers=False,
-                                server_header=False, timeout_graceful_shutdown=5)  # fmt: skip
+        config = uvicorn.Config(
+            build_app(self.served),
+            http="httptools",
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            timeout_graceful_shutdown=5,
+        )
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started and not self._task.done():

@@ -59,9 +59,12 @@ class CompletionRun:
 
     def __init__(self, core: GatewayCore, preps: list[PreparedRequest], renderer: Renderer):
         self.core, self.preps, self.renderer = core, preps, renderer
-        self.header = {"id": response_id(renderer.id_prefix), "created": now(),
-                       "model": core.info.model_id,
-                       "system_fingerprint": f"fp_{core.info.fingerprint}"}  # fmt: skip
+        self.header = {
+            "id": response_id(renderer.id_prefix),
+            "created": now(),
+            "model": core.info.model_id,
+            "system_fingerprint": f"fp_{core.info.fingerprint}",
+        }
         self.streams: list[list[OutputStream]] = [[] for _ in preps]
 
     async def items(self) -> AsyncIterator[Item]:
@@ -97,8 +100,12 @@ class CompletionRun:
     def body(self) -> dict:
         r = self.renderer
         choices = [r.choice(k, s) for k, group in enumerate(self.streams) for s in group]
-        return {**self.header, "object": r.object, "choices": choices,
-                "usage": usage(self.preps, self.streams)}  # fmt: skip
+        return {
+            **self.header,
+            "object": r.object,
+            "choices": choices,
+            "usage": usage(self.preps, self.streams),
+        }
 
     async def _events(self, first: Item | None, rest: AsyncIterator[Item], include_usage: bool):
         r, started = self.renderer, set()
@@ -117,8 +124,14 @@ class CompletionRun:
                 yield head + dumps(choice).encode() + tail
                 item = await anext(rest, None)
             if include_usage:
-                yield sse({**self.header, "object": r.chunk_object, "choices": [],
-                           "usage": usage(self.preps, self.streams)})  # fmt: skip
+                yield sse(
+                    {
+                        **self.header,
+                        "object": r.chunk_object,
+                        "choices": [],
+                        "usage": usage(self.preps, self.streams),
+                    }
+                )
         finally:
             await rest.aclose()
 

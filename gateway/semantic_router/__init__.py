@@ -5,5 +5,11 @@ signals, and guards every request against PII and jailbreaks (docs/router.md).""
 from gateway.semantic_router.config import RouterConfig, RouterConfigError, load_config
 from gateway.semantic_router.router import Decision, GuardBlocked, SemanticRouter
 
-__all__ = ["Decision", "GuardBlocked", "RouterConfig", "RouterConfigError", "SemanticRouter",
-           "load_config"]  # fmt: skip
+__all__ = [
+    "Decision",
+    "GuardBlocked",
+    "RouterConfig",
+    "RouterConfigError",
+    "SemanticRouter",
+    "load_config",
+]

@@ -163,8 +163,9 @@ class RouterConfig(_Strict):
         if dup:
             raise ValueError(f"routes: duplicate route names {sorted(dup)}")
         if self.default_route not in names:
-            raise ValueError(f"default_route: {self.default_route!r} is not a route "
-                             f"(routes: {', '.join(names)})")  # fmt: skip
+            raise ValueError(
+                f"default_route: {self.default_route!r} is not a route (routes: {', '.join(names)})"
+            )
         virtual = set(self.virtual_models)
         for i, r in enumerate(self.routes):
             if r.model in virtual:
@@ -203,8 +204,10 @@ def check_models(config: RouterConfig, served: list[str]) -> None:
     virtual name hides a served one."""
     for i, r in enumerate(config.routes):
         if r.model not in served:
-            raise RouterConfigError(f"routes[{i}].model: {r.model!r} is not served by this "
-                                    f"gateway (serving: {', '.join(served)})")  # fmt: skip
+            raise RouterConfigError(
+                f"routes[{i}].model: {r.model!r} is not served by this "
+                f"gateway (serving: {', '.join(served)})"
+            )
     for name in config.virtual_models:
         if name in served:
             raise RouterConfigError(f"virtual_models: {name!r} is a served model's name")

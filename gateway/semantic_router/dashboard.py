@@ -19,10 +19,25 @@ def decisions_document(router: SemanticRouter | None, rows: int = _ROWS) -> dict
     for d in recent:
         routes[d.route or "none"] = routes.get(d.route or "none", 0) + 1
         guards[d.guard.header] = guards.get(d.guard.header, 0) + 1
-    out = [{"at": round(d.at, 3), "requested": d.requested, "model": d.model,
-            "route": d.route or "none", "signals": d.signals, "guard": d.guard.header,
-            "guard_reason": d.guard.kinds or ([d.guard.reason] if d.guard.action == "block" else []),
-            "embedding": d.embedding, "ms": round(d.seconds * 1e3, 2)}
-           for d in reversed(recent[-rows:])]  # fmt: skip
-    return {"enabled": True, "virtual_models": sorted(router.state.virtual),
-            "decisions": out, "routes": routes, "guards": guards}  # fmt: skip
+    out = [
+        {
+            "at": round(d.at, 3),
+            "requested": d.requested,
+            "model": d.model,
+            "route": d.route or "none",
+            "signals": d.signals,
+            "guard": d.guard.header,
+            "guard_reason": d.guard.kinds
+            or ([d.guard.reason] if d.guard.action == "block" else []),
+            "embedding": d.embedding,
+            "ms": round(d.seconds * 1e3, 2),
+        }
+        for d in reversed(recent[-rows:])
+    ]
+    return {
+        "enabled": True,
+        "virtual_models": sorted(router.state.virtual),
+        "decisions": out,
+        "routes": routes,
+        "guards": guards,
+    }

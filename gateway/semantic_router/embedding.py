@@ -39,8 +39,9 @@ class BusEmbedder:
         return np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
 
     async def _ask(self, texts: list[str], timeout_s: float) -> np.ndarray:
-        reply = await self.bus.request(EMBED_SUBJECT, bus_pb2.EmbedRequest(texts=texts),
-                                       bus_pb2.EmbedReply, timeout_s)  # fmt: skip
+        reply = await self.bus.request(
+            EMBED_SUBJECT, bus_pb2.EmbedRequest(texts=texts), bus_pb2.EmbedReply, timeout_s
+        )
         if reply.HasField("error"):
             raise RuntimeError(f"cache service: {reply.error.message}")
         return vectors_from_proto(reply.vectors, len(texts))
@@ -53,6 +54,7 @@ class LocalEmbedder:
         self.embed_one = embed_one
 
     async def embed(self, texts: list[str], timeout_s: float) -> np.ndarray:
-        rows = await asyncio.wait_for(asyncio.gather(*(self.embed_one(t) for t in texts)),
-                                      timeout_s)  # fmt: skip
+        rows = await asyncio.wait_for(
+            asyncio.gather(*(self.embed_one(t) for t in texts)), timeout_s
+        )
         return np.stack(rows).astype(np.float32)

@@ -30,8 +30,7 @@ class GuardOutcome:
         return "allow" if self.action == "allow" else f"{self.action}:{self.guard}"
 
 
-def check_pii(state: RouterState, messages: list[dict] | None,
-              prompt: str | None) -> GuardOutcome:  # fmt: skip
+def check_pii(state: RouterState, messages: list[dict] | None, prompt: str | None) -> GuardOutcome:
     """Find PII in the user's texts; block, redact (copies) or allow as configured."""
     cfg = state.config.guards.pii
     if not cfg.kinds and not cfg.patterns:
@@ -48,12 +47,22 @@ def check_pii(state: RouterState, messages: list[dict] | None,
         return GuardOutcome()
     named = sorted(kinds)
     if cfg.action == "block":
-        return GuardOutcome("block", "pii", f"the request contains personal data "
-                            f"({', '.join(named)}); refused by the PII guard", named)  # fmt: skip
+        return GuardOutcome(
+            "block",
+            "pii",
+            f"the request contains personal data ({', '.join(named)}); refused by the PII guard",
+            named,
+        )
     if cfg.action == "allow":  # found and counted, let through unchanged
         return GuardOutcome("allow", "pii", ", ".join(named), named)
-    return GuardOutcome("redact", "pii", ", ".join(named), named, new_messages,
-                        new_prompt["prompt"] if new_prompt else None)  # fmt: skip
+    return GuardOutcome(
+        "redact",
+        "pii",
+        ", ".join(named),
+        named,
+        new_messages,
+        new_prompt["prompt"] if new_prompt else None,
+    )
 
 
 def check_jailbreak_heuristics(state: RouterState, texts: list[str]) -> GuardOutcome:

@@ -35,8 +35,9 @@ class RouterHook:
         if not self.router.handles(model):
             return kwargs, {}, b""
         images = len(kwargs.get("images") or ())
-        decision = await self.router.decide(model, kwargs.get("messages"), kwargs.get("prompt"),
-                                            images=images)  # fmt: skip
+        decision = await self.router.decide(
+            model, kwargs.get("messages"), kwargs.get("prompt"), images=images
+        )
         out = dict(kwargs)
         out["model"] = decision.model
         if decision.guard.action == "redact":

@@ -31,24 +31,48 @@ _NO_LIMITS = (
 HEURISTICS: tuple[tuple[str, re.Pattern], ...] = (
     ("ignore-instructions", re.compile(rf"\b{_DROP}\s+{_THEIR}{_RULES}\b", re.I)),
     # "Disregard the above and instead ...": the earlier text dropped for a new order.
-    ("ignore-above", re.compile(
-        rf"\b{_DROP}\s+(?:all\s+|everything\s+)?(?:of\s+)?(?:the\s+)?(?:above|previous|prior)"
-        r"(?:\s+\w+)?[\s,.;:]+(?:and\s+)?(?:instead|now|then)\b", re.I)),
-    ("reveal-system-prompt", re.compile(
-        r"\b(?:reveal|print|output|repeat|show|leak|tell me)\b[^.?!]{0,40}?\b(?:system prompt|"
-        r"hidden instructions|initial instructions|secret instructions|instructions you were given)",
-        re.I)),
-    ("role-play-override", re.compile(
-        r"\b(?:you are|you're|act as|pretend (?:to be|you are|you have)|roleplay as|simulate|"
-        rf"play the role of|answer as)\b[^.?!]{{0,60}}?\b{_NO_LIMITS}", re.I)),
-    ("rules-lifted", re.compile(
-        r"\b(?:rules|restrictions|guidelines|filters|safety (?:settings|filters|training)|"
-        r"content polic(?:y|ies)|system prompt|instructions)\s+(?:were|are|have been|has been|is)\s+(?:now\s+)?"
-        r"(?:lifted|removed|disabled|off|void|suspended)\b", re.I)),
-    ("mode-switch", re.compile(
-        r"\b(?:enable|enter|activate|switch to|you are (?:now )?in)\s+(?:developer|god|jailbreak|dan|"
-        r"maintenance|unrestricted)\s+mode\b", re.I)),
-)  # fmt: skip
+    (
+        "ignore-above",
+        re.compile(
+            rf"\b{_DROP}\s+(?:all\s+|everything\s+)?(?:of\s+)?(?:the\s+)?(?:above|previous|prior)"
+            r"(?:\s+\w+)?[\s,.;:]+(?:and\s+)?(?:instead|now|then)\b",
+            re.I,
+        ),
+    ),
+    (
+        "reveal-system-prompt",
+        re.compile(
+            r"\b(?:reveal|print|output|repeat|show|leak|tell me)\b[^.?!]{0,40}?\b(?:system prompt|"
+            r"hidden instructions|initial instructions|secret instructions|instructions you were given)",
+            re.I,
+        ),
+    ),
+    (
+        "role-play-override",
+        re.compile(
+            r"\b(?:you are|you're|act as|pretend (?:to be|you are|you have)|roleplay as|simulate|"
+            rf"play the role of|answer as)\b[^.?!]{{0,60}}?\b{_NO_LIMITS}",
+            re.I,
+        ),
+    ),
+    (
+        "rules-lifted",
+        re.compile(
+            r"\b(?:rules|restrictions|guidelines|filters|safety (?:settings|filters|training)|"
+            r"content polic(?:y|ies)|system prompt|instructions)\s+(?:were|are|have been|has been|is)\s+(?:now\s+)?"
+            r"(?:lifted|removed|disabled|off|void|suspended)\b",
+            re.I,
+        ),
+    ),
+    (
+        "mode-switch",
+        re.compile(
+            r"\b(?:enable|enter|activate|switch to|you are (?:now )?in)\s+(?:developer|god|jailbreak|dan|"
+            r"maintenance|unrestricted)\s+mode\b",
+            re.I,
+        ),
+    ),
+)
 _B64 = re.compile(r"(?<![A-Za-z0-9+/=])[A-Za-z0-9+/]{40,}={0,2}(?![A-Za-z0-9+/=])")
 
 

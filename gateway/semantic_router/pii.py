@@ -22,10 +22,29 @@ _CARD = re.compile(r"(?<![\d\-])\d(?:[ \-]?\d){12,18}(?![\d\-])")
 _IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b")
 # Lengths of IBANs of the countries most often seen (ISO 13616 registry); others: 15-34.
 _IBAN_LENGTHS = {
-    "AT": 20, "BE": 16, "CH": 21, "CZ": 24, "DE": 22, "DK": 18, "ES": 24, "FI": 18,
-    "FR": 27, "GB": 22, "GR": 27, "HU": 28, "IE": 22, "IT": 27, "LU": 20, "NL": 18,
-    "NO": 15, "PL": 28, "PT": 25, "RO": 24, "SE": 24, "SK": 24,
-}  # fmt: skip
+    "AT": 20,
+    "BE": 16,
+    "CH": 21,
+    "CZ": 24,
+    "DE": 22,
+    "DK": 18,
+    "ES": 24,
+    "FI": 18,
+    "FR": 27,
+    "GB": 22,
+    "GR": 27,
+    "HU": 28,
+    "IE": 22,
+    "IT": 27,
+    "LU": 20,
+    "NL": 18,
+    "NO": 15,
+    "PL": 28,
+    "PT": 25,
+    "RO": 24,
+    "SE": 24,
+    "SK": 24,
+}
 
 
 @dataclass(frozen=True)
@@ -73,11 +92,17 @@ class PiiDetector:
         digits first, so a card number is not also a phone number)."""
         found: list[Finding] = []
         if "card" in self.kinds:
-            found += [Finding("card", m.start(), m.end()) for m in _CARD.finditer(text)
-                      if luhn_ok(re.sub(r"\D", "", m.group()))]  # fmt: skip
+            found += [
+                Finding("card", m.start(), m.end())
+                for m in _CARD.finditer(text)
+                if luhn_ok(re.sub(r"\D", "", m.group()))
+            ]
         if "iban" in self.kinds:
-            found += [Finding("iban", m.start(), m.end()) for m in _IBAN.finditer(text)
-                      if iban_ok(m.group())]  # fmt: skip
+            found += [
+                Finding("iban", m.start(), m.end())
+                for m in _IBAN.finditer(text)
+                if iban_ok(m.group())
+            ]
         if "email" in self.kinds:
             found += [Finding("email", m.start(), m.end()) for m in _EMAIL.finditer(text)]
         for name, rx in self.extra:

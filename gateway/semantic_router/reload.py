@@ -32,24 +32,34 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-async def open_router(path: str | Path, embedder: Embedder | None,
-                      served: list[str] | None = None) -> SemanticRouter:  # fmt: skip
+async def open_router(
+    path: str | Path, embedder: Embedder | None, served: list[str] | None = None
+) -> SemanticRouter:
     """The router of a config file; RouterConfigError when it is unreadable or invalid
     (or, given ``served``, routes to a model this gateway does not serve)."""
     config = load_config(path)
     if served is not None:
         check_models(config, served)
     router = SemanticRouter(await compile_state(config, embedder), embedder)
-    log.info("router config %s: %d routes, virtual models %s", path, len(config.routes),
-             ", ".join(config.virtual_models))  # fmt: skip
+    log.info(
+        "router config %s: %d routes, virtual models %s",
+        path,
+        len(config.routes),
+        ", ".join(config.virtual_models),
+    )
     return router
 
 
 class RouterReloader:
     """Polls one config file and swaps a valid new version into ``router``."""
 
-    def __init__(self, router: SemanticRouter, path: str | Path, poll_s: float = 2.0,
-                 served: list[str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        router: SemanticRouter,
+        path: str | Path,
+        poll_s: float = 2.0,
+        served: list[str] | None = None,
+    ):
         self.router, self.path, self.poll_s, self.served = router, Path(path), poll_s, served
         self._stamp = _stamp(self.path)
         self._task: asyncio.Task | None = None

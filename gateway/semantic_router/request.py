@@ -37,8 +37,9 @@ def message_text(content) -> str:
     if isinstance(content, str):
         return content
     parts = content if isinstance(content, list) else []
-    return " ".join(str(p.get("text", "")) for p in parts
-                    if isinstance(p, dict) and p.get("type") == "text")  # fmt: skip
+    return " ".join(
+        str(p.get("text", "")) for p in parts if isinstance(p, dict) and p.get("type") == "text"
+    )
 
 
 def _has_image(content) -> bool:
@@ -46,8 +47,9 @@ def _has_image(content) -> bool:
     return any(isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in parts)
 
 
-def view_of_messages(messages: list[dict], *, tools: bool = False, json_output: bool = False,
-                     images: int = 0) -> RequestView:  # fmt: skip
+def view_of_messages(
+    messages: list[dict], *, tools: bool = False, json_output: bool = False, images: int = 0
+) -> RequestView:
     """The view of a chat request; ``images``: images sent beside the messages."""
     texts = [(m.get("role"), message_text(m.get("content"))) for m in messages]
     user = [t for role, t in texts if role == "user"]
@@ -64,5 +66,6 @@ def view_of_messages(messages: list[dict], *, tools: bool = False, json_output: 
 
 def view_of_prompt(prompt: str, images: int = 0) -> RequestView:
     """The view of a text completion: the prompt is the user's text."""
-    return RequestView(text=prompt, user_texts=[prompt], has_images=images > 0,
-                       prompt_chars=len(prompt))  # fmt: skip
+    return RequestView(
+        text=prompt, user_texts=[prompt], has_images=images > 0, prompt_chars=len(prompt)
+    )

@@ -44,8 +44,10 @@ class GuardBlocked(ValueError):
     @property
     def headers(self) -> dict[str, str]:
         """The 400's headers: what was asked for and which guard refused it."""
-        return {"x-epd-guard": self.decision.guard.header,
-                "x-epd-route": self.decision.route or "none"}  # fmt: skip
+        return {
+            "x-epd-guard": self.decision.guard.header,
+            "x-epd-route": self.decision.route or "none",
+        }
 
 
 @dataclass
@@ -66,8 +68,11 @@ class Decision:
 
     def headers(self) -> dict[str, str]:
         """x-epd-model, x-epd-route and x-epd-guard."""
-        return {"x-epd-model": self.model, "x-epd-route": self.route or "none",
-                "x-epd-guard": self.guard.header}  # fmt: skip
+        return {
+            "x-epd-model": self.model,
+            "x-epd-route": self.route or "none",
+            "x-epd-guard": self.guard.header,
+        }
 
 
 class SemanticRouter:
@@ -86,9 +91,16 @@ class SemanticRouter:
         """Whether a request for ``model`` goes through ``decide`` at all."""
         return self.routes(model) or self.state.config.guards.all_requests
 
-    async def decide(self, model: str, messages: list[dict] | None = None,
-                     prompt: str | None = None, *, tools: bool = False, json_output: bool = False,
-                     images: int = 0) -> Decision:  # fmt: skip
+    async def decide(
+        self,
+        model: str,
+        messages: list[dict] | None = None,
+        prompt: str | None = None,
+        *,
+        tools: bool = False,
+        json_output: bool = False,
+        images: int = 0,
+    ) -> Decision:
         """The decision for one request; GuardBlocked when a guard refuses it. A redacted
         request's new messages (or prompt) are in ``decision.guard``."""
         started = time.perf_counter()
@@ -123,8 +135,9 @@ class SemanticRouter:
             decision.route, decision.signals = choose_route(state, view, vec)
             decision.model = state.config.route(decision.route).model
 
-    async def _embed(self, state: RouterState, view: RequestView,
-                     decision: Decision) -> np.ndarray | None:  # fmt: skip
+    async def _embed(
+        self, state: RouterState, view: RequestView, decision: Decision
+    ) -> np.ndarray | None:
         """The last user message's vector when a similarity signal can use it."""
         useful = state.attacks is not None or (
             state.routes is not None and self.routes(decision.requested)
@@ -166,8 +179,9 @@ def features_hold(when: Features, view: RequestView) -> bool:
     return all(check() for value, check in checks if value is not None)
 
 
-def choose_route(state: RouterState, view: RequestView,
-                 vec: np.ndarray | None) -> tuple[str, list[str]]:  # fmt: skip
+def choose_route(
+    state: RouterState, view: RequestView, vec: np.ndarray | None
+) -> tuple[str, list[str]]:
     """(route name, the signals that chose it): highest priority among the routes whose
     features hold and whose keyword, regex or similarity signal fires (a route with only
     feature conditions fires on them); ties go to the stronger signal."""

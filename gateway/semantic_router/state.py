@@ -77,9 +77,12 @@ def attack_prompts(config: RouterConfig) -> list[str]:
 
 async def compile_state(config: RouterConfig, embedder: Embedder | None) -> RouterState:
     """The state of ``config``; vectors from ``embedder`` (None: lexical signals only)."""
-    state = RouterState(config, [RouteMatcher.of(r) for r in config.routes],
-                        PiiDetector(config.guards.pii),
-                        virtual=frozenset(config.virtual_models))  # fmt: skip
+    state = RouterState(
+        config,
+        [RouteMatcher.of(r) for r in config.routes],
+        PiiDetector(config.guards.pii),
+        virtual=frozenset(config.virtual_models),
+    )
     if state.wants_vectors():
         state.missing_vectors = True
         if embedder is not None:
@@ -95,8 +98,11 @@ async def add_vectors(state: RouterState, embedder: Embedder) -> bool:
     try:
         vectors = await embedder.embed(texts, _LOAD_TIMEOUT_S)
     except Exception as e:  # routed without similarity until the reloader retries
-        log.warning("router: cannot embed %d examples yet (%s); similarity signals off",
-                    len(texts), e or type(e).__name__)  # fmt: skip
+        log.warning(
+            "router: cannot embed %d examples yet (%s); similarity signals off",
+            len(texts),
+            e or type(e).__name__,
+        )
         return False
     n = len(labelled)
     if n:

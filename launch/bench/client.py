@@ -74,9 +74,14 @@ def chunk_text(event: dict[str, Any]) -> str:
 
 def build_payload(req: BenchRequest, model: str, endpoint: str) -> dict[str, Any]:
     """The JSON body: streamed, usage in the last chunk, exactly ``max_tokens`` wanted."""
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, "ignore_eos": True,
-                            "temperature": 0.0}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     if req.prompt_ids is not None:
         if endpoint == "chat":
             raise ValueError("token-id prompts go to the completions endpoint, not chat")
@@ -102,9 +107,13 @@ def _observe(rec: RequestRecord, event: dict[str, Any], now: float) -> None:
             rec.prompt_tokens = int(usage["prompt_tokens"])
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                       headers: dict[str, str] | None = None,
-                       clock: Clock = time.perf_counter) -> RequestRecord:  # fmt: skip
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    clock: Clock = time.perf_counter,
+) -> RequestRecord:
     """POST ``body`` to ``url`` and stream the answer; failures become ``record.error``."""
     rec = RequestRecord(send_s=clock())
     done_s = None

@@ -22,8 +22,18 @@ _WORD_TEXT = (
 )
 WORDS = tuple(_WORD_TEXT.split())
 
-_TOPICS = ("gardening", "sailing", "bread baking", "chess openings", "bird watching",
-           "bicycle repair", "star gazing", "coffee brewing", "rock climbing", "pottery")  # fmt: skip
+_TOPICS = (
+    "gardening",
+    "sailing",
+    "bread baking",
+    "chess openings",
+    "bird watching",
+    "bicycle repair",
+    "star gazing",
+    "coffee brewing",
+    "rock climbing",
+    "pottery",
+)
 _QUESTIONS = (
     "What should a beginner know about {t}?",
     "Which tools do I need to start with {t}?",
@@ -73,8 +83,14 @@ def draw_length(rng: random.Random, mean: int, range_ratio: float) -> int:
     return max(1, rng.randint(lo, max(lo, hi)))
 
 
-def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                    token_ids: tuple[int, int] | None = None) -> list[BenchRequest]:  # fmt: skip
+def random_requests(
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    token_ids: tuple[int, int] | None = None,
+) -> list[BenchRequest]:
     """``n`` prompts of about ``input_len`` words; each asks for about ``output_len`` tokens.
 
     With ``token_ids=(lo, hi)`` each prompt is ``input_len`` token ids uniform in
@@ -91,12 +107,20 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
         max_tokens = draw_length(rng, output_len, range_ratio)
         if token_ids is not None:
             ids = tuple(rng.randrange(*token_ids) for _ in range(length))
-            out.append(BenchRequest(messages=[], max_tokens=max_tokens, prompt_words=length,
-                                    prompt_ids=ids))  # fmt: skip
+            out.append(
+                BenchRequest(
+                    messages=[], max_tokens=max_tokens, prompt_words=length, prompt_ids=ids
+                )
+            )
             continue
         words = [rng.choice(WORDS) for _ in range(length)]
-        out.append(BenchRequest(messages=[{"role": "user", "content": " ".join(words)}],
-                                max_tokens=max_tokens, prompt_words=len(words)))  # fmt: skip
+        out.append(
+            BenchRequest(
+                messages=[{"role": "user", "content": " ".join(words)}],
+                max_tokens=max_tokens,
+                prompt_words=len(words),
+            )
+        )
     return out
 
 
@@ -116,8 +140,15 @@ def chat_requests(n: int, output_len: int, seed: int) -> list[BenchRequest]:
     return out
 
 
-def make_requests(name: str, n: int, input_len: int, output_len: int, range_ratio: float,
-                  seed: int, token_ids: tuple[int, int] | None = None) -> list[BenchRequest]:  # fmt: skip
+def make_requests(
+    name: str,
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    token_ids: tuple[int, int] | None = None,
+) -> list[BenchRequest]:
     """The dataset ``name`` with ``n`` requests, deterministic for a seed."""
     if name == "random":
         return random_requests(n, input_len, output_len, range_ratio, seed, token_ids)

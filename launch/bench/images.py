@@ -76,8 +76,9 @@ class _Pool:
         return len(self.urls) - 1, False
 
 
-def random_mm_requests(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                       opts: ImageOptions) -> list[BenchRequest]:  # fmt: skip
+def random_mm_requests(
+    n: int, input_len: int, output_len: int, range_ratio: float, seed: int, opts: ImageOptions
+) -> list[BenchRequest]:
     """``n`` chat requests: a prompt of about ``input_len`` words after 1-N images each."""
     if not 0.0 <= opts.repeat_ratio <= 1.0:
         raise ValueError(f"--image-repeat-ratio must be in [0, 1], got {opts.repeat_ratio}")
@@ -97,8 +98,13 @@ def random_mm_requests(n: int, input_len: int, output_len: int, range_ratio: flo
             repeats += repeat
             parts.append({"type": "image_url", "image_url": {"url": pool.urls[index]}})
         parts.append({"type": "text", "text": words})
-        out.append(BenchRequest(messages=[{"role": "user", "content": parts}],
-                                max_tokens=draw_length(rng, output_len, range_ratio),
-                                prompt_words=len(words.split()), images=len(taken),
-                                image_repeats=repeats))  # fmt: skip
+        out.append(
+            BenchRequest(
+                messages=[{"role": "user", "content": parts}],
+                max_tokens=draw_length(rng, output_len, range_ratio),
+                prompt_words=len(words.split()),
+                images=len(taken),
+                image_repeats=repeats,
+            )
+        )
     return out

@@ -35,11 +35,17 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return list(itertools.islice(gap_stream(rate, burstiness, seed), n))
 
 
-async def run_load(items: Iterable[T], send: Callable[[T], Awaitable[R]], gaps: Iterable[float],
-                   max_concurrency: int | None,
-                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, *,
-                   duration_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
-                   on_done: Callable[[R], None] | None = None) -> list[R]:  # fmt: skip
+async def run_load(
+    items: Iterable[T],
+    send: Callable[[T], Awaitable[R]],
+    gaps: Iterable[float],
+    max_concurrency: int | None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    *,
+    duration_s: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    on_done: Callable[[R], None] | None = None,
+) -> list[R]:
     """Start ``send(item)`` for each item after its gap; at most ``max_concurrency`` in flight.
 
     A request whose arrival comes while the cap is reached waits for a slot (as a client

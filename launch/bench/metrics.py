@@ -60,8 +60,9 @@ def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
     return all(got[k] * 1000.0 <= limit for k, limit in slo.items())
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float,
-              slo: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    records: Sequence[RequestRecord], duration_s: float, slo: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The run's figures (schema in docs/bench-serve.md)."""
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -89,8 +90,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     if summary["cache"]:
         summary["by_cache"] = by_cache(ok)
     if any(r.images for r in records):
-        summary["images"] = {"slots": sum(r.images for r in records),
-                             "repeats": sum(r.image_repeats for r in records)}  # fmt: skip
+        summary["images"] = {
+            "slots": sum(r.images for r in records),
+            "repeats": sum(r.image_repeats for r in records),
+        }
     if any(r.expect for r in records):
         summary["expected_cache"] = expected_cache(records)
     return summary
@@ -101,9 +104,14 @@ def by_cache(done: Sequence[RequestRecord]) -> dict[str, Any]:
     groups: dict[str, list[RequestRecord]] = {}
     for r in done:
         groups.setdefault(r.cache or "none", []).append(r)
-    return {k: {"requests": len(g), "ttft_ms": stats_ms([ttft_s(r) for r in g]),
-                "e2el_ms": stats_ms([r.end_s - r.send_s for r in g])}
-            for k, g in sorted(groups.items())}  # fmt: skip
+    return {
+        k: {
+            "requests": len(g),
+            "ttft_ms": stats_ms([ttft_s(r) for r in g]),
+            "e2el_ms": stats_ms([r.end_s - r.send_s for r in g]),
+        }
+        for k, g in sorted(groups.items())
+    }
 
 
 def _hit(rec: RequestRecord) -> bool:
@@ -123,11 +131,17 @@ def expected_cache(records: Sequence[RequestRecord]) -> dict[str, Any]:
         by_kind.setdefault((r.kind or "?").split("/")[0], []).append(r)
     kinds = {}
     for kind, group in sorted(by_kind.items()):
-        kinds[kind] = {"requests": len(group), "hits": sum(map(_hit, group)),
-                       "expected_hits": sum(r.expect == "hit" for r in group),
-                       "ttft_p50_ms": percentile([ttft_s(r) * 1000 for r in group], 50),
-                       "e2el_p50_ms": percentile([(r.end_s - r.send_s) * 1000 for r in group], 50)}  # fmt: skip
+        kinds[kind] = {
+            "requests": len(group),
+            "hits": sum(map(_hit, group)),
+            "expected_hits": sum(r.expect == "hit" for r in group),
+            "ttft_p50_ms": percentile([ttft_s(r) * 1000 for r in group], 50),
+            "e2el_p50_ms": percentile([(r.end_s - r.send_s) * 1000 for r in group], 50),
+        }
     false_hits = [r for r in done if _hit(r) and r.expect == "miss"]
-    return {"kinds": kinds, "false_hits": len(false_hits),
-            "false_hits_by_kind": dict(Counter(r.kind for r in false_hits)),
-            "missed_hits": sum(1 for r in done if not _hit(r) and r.expect == "hit")}  # fmt: skip
+    return {
+        "kinds": kinds,
+        "false_hits": len(false_hits),
+        "false_hits_by_kind": dict(Counter(r.kind for r in false_hits)),
+        "missed_hits": sum(1 for r in done if not _hit(r) and r.expect == "hit"),
+    }

@@ -86,12 +86,18 @@ def _pick(n: int, mix: dict[str, float], seed: int) -> list[tuple[str, dict[str,
 
 
 def _ask(text: str, output_len: int, kind: str, expect: str) -> BenchRequest:
-    return BenchRequest(messages=[{"role": "user", "content": text}], max_tokens=output_len,
-                        prompt_words=len(text.split()), kind=kind, expect=expect)  # fmt: skip
+    return BenchRequest(
+        messages=[{"role": "user", "content": text}],
+        max_tokens=output_len,
+        prompt_words=len(text.split()),
+        kind=kind,
+        expect=expect,
+    )
 
 
-def paraphrase_requests(n: int, output_len: int, seed: int,
-                        mix: str = DEFAULT_MIX) -> list[BenchRequest]:  # fmt: skip
+def paraphrase_requests(
+    n: int, output_len: int, seed: int, mix: str = DEFAULT_MIX
+) -> list[BenchRequest]:
     """``n`` requests: ``ceil(n / 2)`` seed questions, then ``floor(n / 2)`` follow-ups."""
     pairs = _pick((n + 1) // 2, parse_mix(mix), seed)
     seeds = [_ask(row["a"], output_len, "seed", "miss") for _, row in pairs]

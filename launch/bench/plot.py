@@ -28,8 +28,13 @@ def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if "runs" in doc:
         return doc["runs"]
     cfg = doc["config"]
-    return [{"request_rate": cfg.get("request_rate"), "max_concurrency": cfg.get("max_concurrency"),
-             "summary": doc["summary"]}]  # fmt: skip
+    return [
+        {
+            "request_rate": cfg.get("request_rate"),
+            "max_concurrency": cfg.get("max_concurrency"),
+            "summary": doc["summary"],
+        }
+    ]
 
 
 def _x_positions(rates: list[float]) -> tuple[dict[float, float], list[str]]:
@@ -54,8 +59,10 @@ def latency_chart(runs: list[dict[str, Any]], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(_LATENCIES), figsize=(5 * len(_LATENCIES), 4))
     for ax, (key, name) in zip(axes, _LATENCIES, strict=True):
         for color, cap in enumerate(caps):
-            group = sorted((r for r in runs if (r["max_concurrency"] or 0) == cap),
-                           key=lambda r: _rate(r["request_rate"]))  # fmt: skip
+            group = sorted(
+                (r for r in runs if (r["max_concurrency"] or 0) == cap),
+                key=lambda r: _rate(r["request_rate"]),
+            )
             xs = [pos[_rate(r["request_rate"])] for r in group]
             for q, style in _QUANTILES:
                 ys = [(r["summary"][key] or {}).get(q) for r in group]
@@ -86,8 +93,10 @@ def throughput_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
 
     fig, (out_ax, req_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for rate in sorted({_rate(r["request_rate"]) for r in capped}):
-        group = sorted((r for r in capped if _rate(r["request_rate"]) == rate),
-                       key=lambda r: r["max_concurrency"])  # fmt: skip
+        group = sorted(
+            (r for r in capped if _rate(r["request_rate"]) == rate),
+            key=lambda r: r["max_concurrency"],
+        )
         xs = [r["max_concurrency"] for r in group]
         label = f"rate {rate:g}" if not math.isinf(rate) else "rate inf"
         out_ax.plot(xs, [r["summary"]["output_throughput"] for r in group], marker="o", label=label)

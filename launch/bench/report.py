@@ -22,17 +22,21 @@ def _cache_lines(summary: dict[str, Any]) -> list[str]:
     """Image repeats and the cache's answers against the expected ones, where measured."""
     lines = []
     for outcome, g in summary.get("by_cache", {}).items():
-        lines.append(f"  {outcome:<13} {g['requests']:>4} req, TTFT p50 {_num(g['ttft_ms']['p50'])} ms, "
-                     f"E2E p50 {_num(g['e2el_ms']['p50'])} / p90 {_num(g['e2el_ms']['p90'])} ms")  # fmt: skip
+        lines.append(
+            f"  {outcome:<13} {g['requests']:>4} req, TTFT p50 {_num(g['ttft_ms']['p50'])} ms, "
+            f"E2E p50 {_num(g['e2el_ms']['p50'])} / p90 {_num(g['e2el_ms']['p90'])} ms"
+        )
     if "images" in summary:
         img = summary["images"]
         lines.append(f"image slots: {img['slots']}, repeats {img['repeats']}")
     if "expected_cache" in summary:
         exp = summary["expected_cache"]
         for kind, k in exp["kinds"].items():
-            lines.append(f"  {kind:<11} {k['requests']:>4} req, hits {k['hits']:>4} "
-                         f"(right: {k['expected_hits']:>4}), TTFT p50 {_num(k['ttft_p50_ms'])} ms, "
-                         f"E2E p50 {_num(k['e2el_p50_ms'])} ms")  # fmt: skip
+            lines.append(
+                f"  {kind:<11} {k['requests']:>4} req, hits {k['hits']:>4} "
+                f"(right: {k['expected_hits']:>4}), TTFT p50 {_num(k['ttft_p50_ms'])} ms, "
+                f"E2E p50 {_num(k['e2el_p50_ms'])} ms"
+            )
         lines.append(f"false hits {exp['false_hits']}, missed hits {exp['missed_hits']}")
     return lines
 
@@ -77,11 +81,18 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def result_document(config: dict[str, Any], summary: dict[str, Any],
-                    records: list[RequestRecord]) -> dict[str, Any]:  # fmt: skip
+def result_document(
+    config: dict[str, Any], summary: dict[str, Any], records: list[RequestRecord]
+) -> dict[str, Any]:
     """The JSON result: schema tag, the run's settings, the summary, every request's record."""
-    return json_safe({"schema": SCHEMA, "config": config, "summary": summary,
-                    "requests": [asdict(r) for r in records]})  # fmt: skip
+    return json_safe(
+        {
+            "schema": SCHEMA,
+            "config": config,
+            "summary": summary,
+            "requests": [asdict(r) for r in records],
+        }
+    )
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:

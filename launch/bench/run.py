@@ -42,8 +42,10 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
     """Every flag but the secret ones and argparse's plumbing (header values of
     ``authorization`` are masked)."""
     config = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
-    config["header"] = [h if h.split(":", 1)[0].strip().lower() != "authorization"
-                        else h.split(":", 1)[0] + ":***" for h in getattr(args, "header", [])]  # fmt: skip
+    config["header"] = [
+        h if h.split(":", 1)[0].strip().lower() != "authorization" else h.split(":", 1)[0] + ":***"
+        for h in getattr(args, "header", [])
+    ]
     return config
 
 
@@ -52,12 +54,20 @@ def dataset_requests(args: argparse.Namespace, n: int) -> list[BenchRequest]:
     if args.dataset == "random-mm":
         from launch.bench.images import ImageOptions, parse_range, parse_size, random_mm_requests
 
-        opts = ImageOptions(per_request=parse_range(args.mm_images_per_request),
-                            repeat_ratio=args.image_repeat_ratio,
-                            sizes=tuple(parse_size(s) for s in args.mm_image_size),
-                            image_format=args.mm_image_format)  # fmt: skip
-        return random_mm_requests(n, args.random_input_len, args.random_output_len,
-                                  args.random_range_ratio, args.seed, opts)  # fmt: skip
+        opts = ImageOptions(
+            per_request=parse_range(args.mm_images_per_request),
+            repeat_ratio=args.image_repeat_ratio,
+            sizes=tuple(parse_size(s) for s in args.mm_image_size),
+            image_format=args.mm_image_format,
+        )
+        return random_mm_requests(
+            n,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+            opts,
+        )
     if args.dataset == "paraphrase":
         from launch.bench.paraphrase import paraphrase_requests
 
@@ -65,8 +75,15 @@ def dataset_requests(args: argparse.Namespace, n: int) -> list[BenchRequest]:
     token_ids = None
     if args.random_token_ids:
         token_ids = (args.random_token_id_min, args.random_token_id_max)
-    return make_requests(args.dataset, n, args.random_input_len, args.random_output_len,
-                         args.random_range_ratio, args.seed, token_ids=token_ids)  # fmt: skip
+    return make_requests(
+        args.dataset,
+        n,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.seed,
+        token_ids=token_ids,
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -106,9 +123,14 @@ def _progress(args: argparse.Namespace, total: int | None, label: str) -> Any:
     return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False, disable=off)
 
 
-async def measure(args: argparse.Namespace, send: Callable[[BenchRequest], Any],
-                  reqs: list[BenchRequest], rate: float, cap: int | None,
-                  io: RunIO = RunIO()) -> tuple[list[RequestRecord], float]:  # fmt: skip
+async def measure(
+    args: argparse.Namespace,
+    send: Callable[[BenchRequest], Any],
+    reqs: list[BenchRequest],
+    rate: float,
+    cap: int | None,
+    io: RunIO = RunIO(),
+) -> tuple[list[RequestRecord], float]:
     """Warm-up, then the measured requests at ``rate`` under ``cap``; (records, duration)."""
     warm, measured = reqs[: args.warmup], reqs[args.warmup :]
     await run_load(warm, send, [0.0] * len(warm), cap, io.sleep)
@@ -120,13 +142,25 @@ async def measure(args: argparse.Namespace, send: Callable[[BenchRequest], Any],
         for phase in _phases(measured):
             items: Iterable[BenchRequest] = itertools.cycle(phase) if args.duration else phase
             gap_list = gaps if args.duration else list(itertools.islice(gaps, len(phase)))
-            records += await run_load(items, send, gap_list, cap, io.sleep, clock=io.clock,
-                                      duration_s=args.duration, on_done=lambda _: bar.update(1))  # fmt: skip
+            records += await run_load(
+                items,
+                send,
+                gap_list,
+                cap,
+                io.sleep,
+                clock=io.clock,
+                duration_s=args.duration,
+                on_done=lambda _: bar.update(1),
+            )
         return records, io.clock() - start
 
 
-def _sender(args: argparse.Namespace, client: httpx.AsyncClient, user: str | None,
-            clock: Callable[[], float]) -> Callable[[BenchRequest], Any]:  # fmt: skip
+def _sender(
+    args: argparse.Namespace,
+    client: httpx.AsyncClient,
+    user: str | None,
+    clock: Callable[[], float],
+) -> Callable[[BenchRequest], Any]:
     """Build and send one request's body; the record is tagged with the dataset's facts."""
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     url = args.base_url.rstrip("/") + path
@@ -148,19 +182,29 @@ async def _runs(args: argparse.Namespace, io: RunIO) -> list[dict[str, Any]]:
     check_args(args)
     slo = parse_goodput(args.goodput)
     reqs = dataset_requests(args, args.warmup + args.num_prompts)
-    pairs = list(itertools.product(args.sweep or [args.request_rate],
-                                   args.sweep_concurrency or [args.max_concurrency]))  # fmt: skip
+    pairs = list(
+        itertools.product(
+            args.sweep or [args.request_rate], args.sweep_concurrency or [args.max_concurrency]
+        )
+    )
     runs = []
     for i, (rate, cap) in enumerate(pairs):
         # A run of its own cache tenant: an earlier run's answers must not turn seeds into hits.
         user = f"{args.user}-{i}" if args.user and len(pairs) > 1 else args.user
         limits = httpx.Limits(max_connections=cap or 1000)
-        async with httpx.AsyncClient(timeout=args.timeout, limits=limits,
-                                     transport=io.transport) as client:  # fmt: skip
+        async with httpx.AsyncClient(
+            timeout=args.timeout, limits=limits, transport=io.transport
+        ) as client:
             send = _sender(args, client, user, io.clock)
             records, duration = await measure(args, send, reqs, rate, cap, io)
-        runs.append({"request_rate": rate, "max_concurrency": cap,
-                     "summary": summarize(records, duration, slo), "records": records})  # fmt: skip
+        runs.append(
+            {
+                "request_rate": rate,
+                "max_concurrency": cap,
+                "summary": summarize(records, duration, slo),
+                "records": records,
+            }
+        )
     return runs
 
 
@@ -175,7 +219,18 @@ async def bench_sweep(args: argparse.Namespace, io: RunIO = RunIO()) -> dict[str
     """Every run of the sweep: ``{"schema", "config", "runs": [...]}``."""
     runs = await _runs(args, io)
     docs = [result_document({}, r["summary"], r["records"]) for r in runs]
-    return json_safe({"schema": SCHEMA, "config": config_of(args),
-                      "runs": [{"request_rate": r["request_rate"], "max_concurrency": r["max_concurrency"],
-                                "summary": d["summary"], "requests": d["requests"]}
-                               for r, d in zip(runs, docs, strict=True)]})  # fmt: skip
+    return json_safe(
+        {
+            "schema": SCHEMA,
+            "config": config_of(args),
+            "runs": [
+                {
+                    "request_rate": r["request_rate"],
+                    "max_concurrency": r["max_concurrency"],
+                    "summary": d["summary"],
+                    "requests": d["requests"],
+                }
+                for r, d in zip(runs, docs, strict=True)
+            ],
+        }
+    )

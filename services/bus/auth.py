@@ -77,8 +77,10 @@ class NatsAuth:
         """
         options: dict[str, object] = {}
         if self.user:
-            options.update(user=_guarded(self.user, before_secret),
-                           password=_guarded(self.password or "", before_secret))  # fmt: skip
+            options.update(
+                user=_guarded(self.user, before_secret),
+                password=_guarded(self.password or "", before_secret),
+            )
         if self.token:
             options["token"] = _guarded(self.token, before_secret)
         if self.creds_file:

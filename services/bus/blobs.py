@@ -29,16 +29,22 @@ def fits_inline(bus: Bus, nbytes: int) -> bool:
     return nbytes + INLINE_HEADROOM_BYTES <= bus.max_payload
 
 
-async def send_blob(bus: Bus, instance_id: str, data: bytes | bytearray | memoryview,
-                    timeout_s: float, transfer_id: str | None = None) -> bus_pb2.BlobRef:  # fmt: skip
+async def send_blob(
+    bus: Bus,
+    instance_id: str,
+    data: bytes | bytearray | memoryview,
+    timeout_s: float,
+    transfer_id: str | None = None,
+) -> bus_pb2.BlobRef:
     """Send ``data`` to ``instance_id``'s blob inbox; the reference a message carries.
 
     Raises NoResponders (no such instance), TransferTimeout, TransferError.
     """
     tid = transfer_id or f"blob-{uuid.uuid4().hex}"
     view = memoryview(data).cast("B")
-    await send_chunked(bus, subjects.blob(instance_id), b"", view, timeout_s=timeout_s,
-                       transfer_id=tid)  # fmt: skip
+    await send_chunked(
+        bus, subjects.blob(instance_id), b"", view, timeout_s=timeout_s, transfer_id=tid
+    )
     return bus_pb2.BlobRef(transfer_id=tid, size=len(view))
 
 
@@ -49,8 +55,9 @@ class BlobInbox:
     same embedding), so taken blobs stay for ``keep_s`` (at most ``keep_max`` of them).
     """
 
-    def __init__(self, bus: Bus, instance_id: str, max_bytes: int, keep_s: float = 30.0,
-                 keep_max: int = 64):  # fmt: skip
+    def __init__(
+        self, bus: Bus, instance_id: str, max_bytes: int, keep_s: float = 30.0, keep_max: int = 64
+    ):
         self._chunks = ChunkReceiver(bus, subjects.blob(instance_id), max_total_bytes=max_bytes)
         self._keep_s, self._keep_max = keep_s, keep_max
         self._taken: OrderedDict[str, tuple[float, bytearray]] = OrderedDict()

@@ -25,8 +25,11 @@ def is_refusal(exc: BaseException) -> bool:
     handshake, a TLS mismatch between client and server."""
     if isinstance(exc, ssl.SSLError | nats.errors.AuthorizationError):
         return True
-    secure = (nats.errors.SecureConnRequiredError, nats.errors.SecureConnWantedError,
-              nats.errors.SecureConnFailedError)  # fmt: skip
+    secure = (
+        nats.errors.SecureConnRequiredError,
+        nats.errors.SecureConnWantedError,
+        nats.errors.SecureConnFailedError,
+    )
     if isinstance(exc, secure):
         return True
     text = str(exc).lower()

@@ -165,8 +165,9 @@ class Bus:
         try:
             while True:
                 try:
-                    reply = await self._request_once(subject, payload, deadline - loop.time(),
-                                                     headers)  # fmt: skip
+                    reply = await self._request_once(
+                        subject, payload, deadline - loop.time(), headers
+                    )
                     break
                 except NoResponders:
                     if loop.time() + delay > retry_until:

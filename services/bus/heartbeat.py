@@ -163,15 +163,20 @@ class InstanceRegistry:
         """Take one heartbeat into account."""
         if hb.role not in self._instances:
             return
-        load = Load(hb.running, hb.waiting, hb.free_kv_blocks, hb.total_kv_blocks, hb.draining,
-                    hb.steps)  # fmt: skip
+        load = Load(
+            hb.running, hb.waiting, hb.free_kv_blocks, hb.total_kv_blocks, hb.draining, hb.steps
+        )
         self._heard_at = self._clock()
         before = self._instances[hb.role].get(hb.instance_id)
         moved = before is None or before.load.steps != hb.steps
         self._instances[hb.role][hb.instance_id] = InstanceInfo(
-            hb.role, hb.instance_id, load, hb.model, self._heard_at,
+            hb.role,
+            hb.instance_id,
+            load,
+            hb.model,
+            self._heard_at,
             self._heard_at if moved else before.progressed_at,
-        )  # fmt: skip
+        )
         self._changed.set()
 
     def progressed_at(self, role: str, instance_id: str) -> float | None:

@@ -135,9 +135,13 @@ class AsyncEngine:
         """Running / waiting requests, free KV blocks and steps finished (read racily,
         for heartbeats)."""
         s, bm = self.engine.scheduler, self.engine.block_manager
-        return {"running": s.num_running, "waiting": s.num_waiting,
-                "free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
-                "steps": self.steps}  # fmt: skip
+        return {
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "steps": self.steps,
+        }
 
     # -- engine thread ----------------------------------------------------------------
     def _run(self) -> None:

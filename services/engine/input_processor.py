@@ -23,9 +23,17 @@ class InputProcessor:
     decode to the encoder; ``images`` of the result is then empty.
     """
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, image_token_id=None,
-                 tokens_per_image: int = 0, fingerprint: str = "", decode_images: bool = True,
-                 max_image_pixels: int = MAX_IMAGE_PIXELS):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        image_token_id=None,
+        tokens_per_image: int = 0,
+        fingerprint: str = "",
+        decode_images: bool = True,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+    ):
         self.tokenizer = tokenizer
         self.decode_images = decode_images
         self.max_image_pixels = max_image_pixels

@@ -28,8 +28,15 @@ class KVCachePool:
     @classmethod
     def from_budget(cls, budget_mb, num_layers, block_size, num_kv_heads, head_dim, dtype, device):
         per_block = block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        return cls(num_layers, int(budget_mb * MIB // per_block), block_size, num_kv_heads,
-                   head_dim, dtype, device)  # fmt: skip
+        return cls(
+            num_layers,
+            int(budget_mb * MIB // per_block),
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+        )
 
     def read_blocks(self, block_ids: list[int], to_host: bool = False) -> torch.Tensor:
         """[2, layers, len(block_ids), block_size, kv_heads, head_dim] copy (KV export).

@@ -18,8 +18,7 @@ from services.engine.scheduler import Scheduler
 class KVExports:
     """The requests to export and what was copied for them; engine thread only."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCachePool, runner: ModelRunner,
-                 block_size: int):  # fmt: skip
+    def __init__(self, scheduler: Scheduler, kv: KVCachePool, runner: ModelRunner, block_size: int):
         self.scheduler, self.kv, self.runner, self.block_size = scheduler, kv, runner, block_size
         self.pending: set[str] = set()  # ids whose KV goes with their next sampled token
         self._aux: dict[str, torch.Tensor] = {}  # id -> the draft head's last row [1, ...]

@@ -49,10 +49,17 @@ class KVImports:
         if holder is not None:
             self.engine.block_manager.free(holder)
 
-    def adopt(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-              first_token: int, params: SamplingParams, kv_blocks: torch.Tensor,
-              first_logprobs: TokenLogprobs | None = None,
-              aux_hidden: torch.Tensor | None = None) -> Request:  # fmt: skip
+    def adopt(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        first_token: int,
+        params: SamplingParams,
+        kv_blocks: torch.Tensor,
+        first_logprobs: TokenLogprobs | None = None,
+        aux_hidden: torch.Tensor | None = None,
+    ) -> Request:
         """Continue a request: ``token_ids`` (prompt, then tokens generated before a
         migration) have their KV in ``kv_blocks`` [2, layers, n, block_size, kv_heads,
         head_dim]; ``first_token`` was sampled after them. Reserves first when
@@ -69,8 +76,9 @@ class KVImports:
             raise MemoryError("no free KV blocks for the imported request")
         holder = self.reserved.pop(request_id)
         try:
-            req = self._adopt(holder, token_ids, num_prompt_tokens, first_token, params,
-                              kv_blocks, first_logprobs)  # fmt: skip
+            req = self._adopt(
+                holder, token_ids, num_prompt_tokens, first_token, params, kv_blocks, first_logprobs
+            )
         except BaseException:
             eng.block_manager.free(holder)
             raise
@@ -90,18 +98,32 @@ class KVImports:
             raise ValueError(f"aux hidden rows of dtype {rows.dtype}")
         return rows.to(device=self.engine.loaded.device, dtype=self.engine.loaded.dtype)
 
-    def _adopt(self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks,
-               first_logprobs) -> Request:  # fmt: skip
+    def _adopt(
+        self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks, first_logprobs
+    ) -> Request:
         eng, bs = self.engine, self.engine.config.block_size
-        expected = (2, eng.loaded.num_layers, len(holder.block_ids), bs,
-                    eng.model.num_kv_heads, eng.model.head_dim)  # fmt: skip
+        expected = (
+            2,
+            eng.loaded.num_layers,
+            len(holder.block_ids),
+            bs,
+            eng.model.num_kv_heads,
+            eng.model.head_dim,
+        )
         if -(-len(token_ids) // bs) != len(holder.block_ids):
             raise ValueError(f"{len(token_ids)} tokens do not fit the reserved blocks")
         if tuple(kv_blocks.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(kv_blocks.shape)}, expected {expected}")
         rid = holder.request_id
-        req = Request(rid, list(token_ids[:num_prompt]), params, eng.eos_token_ids, [],
-                      time.monotonic(), eng.max_model_len)  # fmt: skip
+        req = Request(
+            rid,
+            list(token_ids[:num_prompt]),
+            params,
+            eng.eos_token_ids,
+            [],
+            time.monotonic(),
+            eng.max_model_len,
+        )
         req.output_token_ids = [*token_ids[num_prompt:], int(first_token)]
         eng.kv.write_blocks(holder.block_ids, kv_blocks)
         req.block_ids, holder.block_ids = holder.block_ids, []

@@ -39,9 +39,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = resolve_device(config.device)
-        self.backend = get_backend(config.attention_backend, device, config.kernel_cache_dir,
-                                   config.kernel_cc, greedy_head_screen=config.greedy_head_screen,
-                                   packed_weights_mb=config.packed_weights_mb)  # fmt: skip
+        self.backend = get_backend(
+            config.attention_backend,
+            device,
+            config.kernel_cache_dir,
+            config.kernel_cc,
+            greedy_head_screen=config.greedy_head_screen,
+            packed_weights_mb=config.packed_weights_mb,
+        )
         self.step_tokens = config.step_token_budget(device.type)
         self.loaded = lm = load_model(config, self.backend)
         self.model = lm.model
@@ -51,20 +56,29 @@ class LLMEngine:
         self.eos_token_ids = lm.info.eos_token_ids(self.tokenizer.eos_token_id)
         self.max_model_len = lm.max_model_len
         self.kv = self._make_kv_pool(lm)
-        self.block_manager = BlockManager(self.kv.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)  # fmt: skip
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=self.step_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=lm.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-        ), self.block_manager)  # fmt: skip
+        self.block_manager = BlockManager(
+            self.kv.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=self.step_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=lm.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
         self.runner = ModelRunner(lm.model, self.kv, self.backend, lm.device)
         spec = config.speculative_config
         self.spec = SpecDecoding.build(spec, lm, self.runner) if spec is not None else None
         self.inputs = InputProcessor(
-            self.tokenizer, lm.max_model_len, lm.text_config.vocab_size,
-            getattr(lm.model, "image_token_id", None), getattr(lm.model, "tokens_per_image", 0),
+            self.tokenizer,
+            lm.max_model_len,
+            lm.text_config.vocab_size,
+            getattr(lm.model, "image_token_id", None),
+            getattr(lm.model, "tokens_per_image", 0),
             lm.fingerprint,
-        )  # fmt: skip
+        )
         self.states: dict[str, RequestState] = {}
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
         self.exports = KVExports(self.scheduler, self.kv, self.runner, config.block_size)
@@ -79,10 +93,18 @@ class LLMEngine:
         return KVCachePool.from_budget(c.kv_cache_memory_mb, *args)
 
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
-                    image_embeds: list[torch.Tensor] | None = None,
-                    add_special_tokens: bool = True, export_kv: bool = False,
-                    final_only: bool = False, resume: list[int] | None = None) -> Request:  # fmt: skip
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        *,
+        image_embeds: list[torch.Tensor] | None = None,
+        add_special_tokens: bool = True,
+        export_kv: bool = False,
+        final_only: bool = False,
+        resume: list[int] | None = None,
+    ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem.
 
         ``final_only``: ``step`` returns this request's output once, when it finishes.
@@ -107,41 +129,80 @@ class LLMEngine:
         self._check_budget(len(p.token_ids) + len(resume))
         embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
         if params.n == 1:
-            return self._add(request_id, p, params, embeds, final_only, export_kv,
-                             resume=resume)  # fmt: skip
+            return self._add(request_id, p, params, embeds, final_only, export_kv, resume=resume)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self.parallel.add(request_id, params, base_seed, p.prompt, p.token_ids, final_only,
-                          lambda cid, sp, i, front: self._add(cid, p, sp, embeds, final_only,
-                                                              index=i, front=front))  # fmt: skip
+        self.parallel.add(
+            request_id,
+            params,
+            base_seed,
+            p.prompt,
+            p.token_ids,
+            final_only,
+            lambda cid, sp, i, front: self._add(
+                cid, p, sp, embeds, final_only, index=i, front=front
+            ),
+        )
         return self.scheduler.get_request(child_request_id(request_id, 0))
 
-    def _add(self, request_id: str, p, params: SamplingParams, embeds, final_only: bool,
-             export_kv: bool = False, index: int = 0, front: bool = False,
-             resume: list[int] = ()) -> Request:  # fmt: skip
-        req = Request(request_id, p.token_ids, params, self.eos_token_ids, p.spans,
-                      time.monotonic(), self.max_model_len)  # fmt: skip
+    def _add(
+        self,
+        request_id: str,
+        p,
+        params: SamplingParams,
+        embeds,
+        final_only: bool,
+        export_kv: bool = False,
+        index: int = 0,
+        front: bool = False,
+        resume: list[int] = (),
+    ) -> Request:
+        req = Request(
+            request_id,
+            p.token_ids,
+            params,
+            self.eos_token_ids,
+            p.spans,
+            time.monotonic(),
+            self.max_model_len,
+        )
         req.output_token_ids = list(resume)
         # The scheduler's checks may still reject it: nothing else may be touched before
         # (no state left behind, no draw from the shared seed stream).
         self.scheduler.add_request(req, front=front)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.runner.add_request(req, seed, embeds)
-        state = RequestState(request_id, p.prompt, p.token_ids, params, self.tokenizer,
-                             final_only, index)  # fmt: skip
+        state = RequestState(
+            request_id, p.prompt, p.token_ids, params, self.tokenizer, final_only, index
+        )
         state.resume(list(resume))
         self.states[request_id] = state
         if export_kv:
             self.exports.pending.add(request_id)
         return req
 
-    def import_request(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                       first_token: int, params: SamplingParams, kv_blocks: torch.Tensor,
-                       first_logprobs: TokenLogprobs | None = None,
-                       aux_hidden: torch.Tensor | None = None) -> Request:  # fmt: skip
+    def import_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        first_token: int,
+        params: SamplingParams,
+        kv_blocks: torch.Tensor,
+        first_logprobs: TokenLogprobs | None = None,
+        aux_hidden: torch.Tensor | None = None,
+    ) -> Request:
         """Decode role: continue a request whose KV was computed elsewhere (kv_import.py);
         ``aux_hidden``: the draft head's rows of the last prompt position(s)."""
-        return self.imports.adopt(request_id, token_ids, num_prompt_tokens, first_token, params,
-                                  kv_blocks, first_logprobs, aux_hidden)  # fmt: skip
+        return self.imports.adopt(
+            request_id,
+            token_ids,
+            num_prompt_tokens,
+            first_token,
+            params,
+            kv_blocks,
+            first_logprobs,
+            aux_hidden,
+        )
 
     def reserve_import(self, request_id: str, num_tokens: int) -> bool:
         """Decode role: blocks for incoming KV, before the transfer is accepted."""

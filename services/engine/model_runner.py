@@ -145,10 +145,12 @@ class ModelRunner:
         for row, emb in step.mm_rows:
             embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
         if not self.aux_layers:
-            return self.model(step.positions, embeds, self.kv.layers, step.attn,
-                              step.out_rows), None  # fmt: skip
-        hidden, aux = self.model(step.positions, embeds, self.kv.layers, step.attn, None,
-                                 self.aux_layers)  # fmt: skip
+            return self.model(
+                step.positions, embeds, self.kv.layers, step.attn, step.out_rows
+            ), None
+        hidden, aux = self.model(
+            step.positions, embeds, self.kv.layers, step.attn, None, self.aux_layers
+        )
         if step.out_rows is not None:
             hidden = hidden.index_select(0, step.out_rows.rows)
         return hidden, aux
@@ -211,8 +213,9 @@ class ModelRunner:
     def _keep_aux(self, step: StepInputs, aux: torch.Tensor, emitted: dict[str, list[int]]):
         """Queue each request's aux rows of positions whose tokens are now known: all of
         a prefill chunk; of a verification, the last known token and accepted drafts."""
-        sampled_drafts = {r.request_id: len(d) for r, d in zip(step.sampling, step.drafts,
-                                                                 strict=True)}  # fmt: skip
+        sampled_drafts = {
+            r.request_id: len(d) for r, d in zip(step.sampling, step.drafts, strict=True)
+        }
         for rid, row0, n in step.spans:
             k = sampled_drafts.get(rid, 0)
             keep = n - k + (len(emitted.get(rid, [])) - 1 if rid in emitted else 0)
@@ -229,8 +232,9 @@ class ModelRunner:
         """
         step = self.prepare(scheduled)
         ids = [item.request.request_id for item in scheduled]
-        tokens = self.model.decode_greedy(step.input_ids, step.positions, self.kv.layers,
-                                          step.attn, steps)  # fmt: skip
+        tokens = self.model.decode_greedy(
+            step.input_ids, step.positions, self.kv.layers, step.attn, steps
+        )
         if tokens is None:
             tokens = self._burst_loop(step, steps)
         return dict(zip(ids, tokens.t().tolist(), strict=True))
@@ -252,6 +256,8 @@ def plain_greedy(req: Request) -> bool:
     """Greedy with no logprobs and nothing that edits the logits (penalties, min_tokens)."""
     sp = req.sampling_params
     return (
-        sp.greedy and sp.logprobs is None and not sp.has_penalties
+        sp.greedy
+        and sp.logprobs is None
+        and not sp.has_penalties
         and req.num_output_tokens >= sp.min_tokens
-    )  # fmt: skip
+    )

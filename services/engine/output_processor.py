@@ -9,8 +9,16 @@ from services.tokenization import IncrementalDetokenizer
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt, prompt_ids, params: SamplingParams, tokenizer,
-                 final_only: bool = False, index: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        prompt,
+        prompt_ids,
+        params: SamplingParams,
+        tokenizer,
+        final_only: bool = False,
+        index: int = 0,
+    ):
         self.request_id = request_id
         # Which choice of an n > 1 request this is (CompletionOutput.index).
         self.index = index
@@ -109,13 +117,19 @@ class RequestState:
         new_ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
         comp = CompletionOutput(
-            index=self.index, text=self.text[: self.sent_chars], token_ids=list(self.token_ids),
-            cumulative_logprob=self.cum_logprob, logprobs=self.logprobs,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            text_delta=delta, token_ids_delta=new_ids,
-        )  # fmt: skip
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [comp], done,
-                             self.num_cached_tokens)  # fmt: skip
+            index=self.index,
+            text=self.text[: self.sent_chars],
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cum_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            text_delta=delta,
+            token_ids_delta=new_ids,
+        )
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_ids, [comp], done, self.num_cached_tokens
+        )
 
 
 def finish_reason_of(req: Request) -> str:

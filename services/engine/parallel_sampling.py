@@ -74,8 +74,14 @@ class ParentRequest:
             if self.finished and self.final_only
             else sorted((o.outputs[0] for o in outs), key=lambda c: c.index)
         )
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, comps,
-                             self.finished, self.num_cached_tokens)  # fmt: skip
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            comps,
+            self.finished,
+            self.num_cached_tokens,
+        )
 
 
 class ParallelSampling:
@@ -90,11 +96,21 @@ class ParallelSampling:
     def is_choice(self, request_id: str) -> bool:
         return request_id in self._parent_of
 
-    def add(self, request_id: str, params: SamplingParams, base_seed: int, prompt,
-            prompt_ids: list[int], final_only: bool, add_choice: AddChoice) -> None:  # fmt: skip
+    def add(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        base_seed: int,
+        prompt,
+        prompt_ids: list[int],
+        final_only: bool,
+        add_choice: AddChoice,
+    ) -> None:
         """Queue choice 0 now (its checks stand for every choice), the rest on release."""
-        kids = [(child_request_id(request_id, i), replace(params, n=1, seed=choice_seed(base_seed, i)))
-                for i in range(params.n)]  # fmt: skip
+        kids = [
+            (child_request_id(request_id, i), replace(params, n=1, seed=choice_seed(base_seed, i)))
+            for i in range(params.n)
+        ]
         add_choice(kids[0][0], kids[0][1], 0, False)
 
         def release() -> None:

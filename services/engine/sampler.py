@@ -48,8 +48,9 @@ def sampling_tensors(reqs: list[Request], seeds: list[int], device) -> SamplingT
     temp = [0.0 if sp.greedy else sp.temperature for sp in sps]
     # Three tensors (rows of the float and int64 ones are the fields): every step builds
     # these, and each torch.tensor / host-to-device copy costs more than its contents.
-    floats = torch.tensor([temp, [sp.top_p for sp in sps], [sp.min_p for sp in sps]],
-                          dtype=torch.float32).to(device)  # fmt: skip
+    floats = torch.tensor(
+        [temp, [sp.top_p for sp in sps], [sp.min_p for sp in sps]], dtype=torch.float32
+    ).to(device)
     ints = torch.tensor([seeds, [r.num_tokens for r in reqs]], dtype=torch.int64).to(device)
     return SamplingTensors(
         temperature=floats[0],

@@ -165,15 +165,19 @@ class Scheduler:
     def _schedule_burst(self, output: SchedulerOutput, num_steps: int) -> bool:
         running = self.running
         if (
-            self.waiting or not running or len(running) > self.config.max_num_batched_tokens
+            self.waiting
+            or not running
+            or len(running) > self.config.max_num_batched_tokens
             or any(r.num_tokens - r.num_computed_tokens != 1 for r in running)
-        ):  # fmt: skip
+        ):
             return False
         # Every step of the burst samples a token, so none may go past its last one.
         steps = min(num_steps, *(r.max_total_tokens - r.num_tokens for r in running))
         bm = self.block_manager
-        need = sum(max(0, -(-(r.num_computed_tokens + steps) // bm.block_size)
-                       - len(r.block_ids)) for r in running)  # fmt: skip
+        need = sum(
+            max(0, -(-(r.num_computed_tokens + steps) // bm.block_size) - len(r.block_ids))
+            for r in running
+        )
         if steps < 2 or need > bm.num_free_blocks:
             return False
         for request in running:

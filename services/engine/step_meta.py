@@ -20,8 +20,13 @@ def to_tensor(values, dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def attn_meta(qlens: list[int], seqlens: list[int], tables: list[list[int]], slots: list[int],
-              device: torch.device) -> AttentionMetadata:  # fmt: skip
+def attn_meta(
+    qlens: list[int],
+    seqlens: list[int],
+    tables: list[list[int]],
+    slots: list[int],
+    device: torch.device,
+) -> AttentionMetadata:
     """Packed metadata of sequences with these query lengths, context lengths (after the
     step), block tables and new tokens' slots."""
     width = max((len(t) for t in tables), default=0)
@@ -43,8 +48,9 @@ def attn_meta(qlens: list[int], seqlens: list[int], tables: list[list[int]], slo
     )
 
 
-def verify_rows_meta(positions: list[int], row_tables: list[list[int]], slots: list[int],
-                     device: torch.device) -> AttentionMetadata:  # fmt: skip
+def verify_rows_meta(
+    positions: list[int], row_tables: list[list[int]], slots: list[int], device: torch.device
+) -> AttentionMetadata:
     """A verification step row by row: row i, at ``positions[i]`` of the sequence whose
     block table is ``row_tables[i]``, attends to positions ``0 .. positions[i]``. Every
     row's K/V is written before attention (the metadata contract), so the drafts of one
@@ -53,8 +59,9 @@ def verify_rows_meta(positions: list[int], row_tables: list[list[int]], slots: l
     return attn_meta([1] * len(positions), lens, row_tables, slots, device)
 
 
-def out_rows(rows: list[int], seqs: list[int], attn: AttentionMetadata, pos: list[int],
-             device: torch.device) -> OutputRows | None:  # fmt: skip
+def out_rows(
+    rows: list[int], seqs: list[int], attn: AttentionMetadata, pos: list[int], device: torch.device
+) -> OutputRows | None:
     """Rows ``rows`` of sequences ``seqs`` (the last row of each sampling sequence; with
     drafts, the last 1 + k), as one query each over its causal prefix; None when those are
     every row of a one-token-per-sequence step, in order."""

@@ -116,8 +116,13 @@ class Backend(Protocol):
         this backend has no such path (the caller then runs those rounds)."""
 
 
-def get_backend(name: str, device: torch.device, kernel_cache_dir: str = "",
-                kernel_cc: str = "cc", **cpu_options) -> Backend:  # fmt: skip
+def get_backend(
+    name: str,
+    device: torch.device,
+    kernel_cache_dir: str = "",
+    kernel_cc: str = "cc",
+    **cpu_options,
+) -> Backend:
     """``auto`` picks Triton on CUDA, else the native CPU kernels when they build here, else
     torch; ``cpu`` insists on the native kernels (``cpu_options``: theirs, e.g.
     ``greedy_head_screen`` and ``packed_weights_mb``, see EngineConfig)."""

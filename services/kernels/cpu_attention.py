@@ -104,8 +104,9 @@ class AttentionPlan:
         return ranges
 
 
-def _tile_units(units: list, costs: list, b: int, start: int, q: int, ctx: int, g: int,
-                hkv: int) -> None:  # fmt: skip
+def _tile_units(
+    units: list, costs: list, b: int, start: int, q: int, ctx: int, g: int, hkv: int
+) -> None:
     """Cut sequence b's q rows (positions ctx - q .. ctx - 1) into tiles x KV heads."""
     per = max(1, TILE_QUERIES // g)
     for i in range(0, q, per):

@@ -62,8 +62,12 @@ class CpuBackend:
     stack_max_rows = GEMV_MAX_ROWS
     write_kv = staticmethod(ref.write_kv)
 
-    def __init__(self, lib: ctypes.CDLL, greedy_head_screen: str = "auto",
-                 packed_weights_mb: int = PACKED_WEIGHTS_MB):  # fmt: skip
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        greedy_head_screen: str = "auto",
+        packed_weights_mb: int = PACKED_WEIGHTS_MB,
+    ):
         self.lib = lib
         self.onednn = OneDnnGemm(packed_weights_mb) if prefer_mkldnn() else None
         on = {"on": True, "off": False}.get(greedy_head_screen)
@@ -74,9 +78,13 @@ class CpuBackend:
         self._native_stack = NativeStack(lib, GEMV_MAX_ROWS)
 
     @classmethod
-    def create(cls, kernel_cache_dir: str = "", compiler: str = "cc",
-               greedy_head_screen: str = "auto",
-               packed_weights_mb: int = PACKED_WEIGHTS_MB) -> CpuBackend | None:  # fmt: skip
+    def create(
+        cls,
+        kernel_cache_dir: str = "",
+        compiler: str = "cc",
+        greedy_head_screen: str = "auto",
+        packed_weights_mb: int = PACKED_WEIGHTS_MB,
+    ) -> CpuBackend | None:
         lib = cpu_native.load(kernel_cache_dir or cpu_native.default_cache_dir(), compiler)
         if lib is None:
             return None
@@ -111,32 +119,62 @@ class CpuBackend:
 
         common = (_ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts)
         rc = self.lib.epd_par_decode_attention(
-            *common, _ptr(plan.lens), _ptr(plan.rows), _ptr(plan.seqs), hq, hkv, d, bs, scale,
+            *common,
+            _ptr(plan.lens),
+            _ptr(plan.rows),
+            _ptr(plan.seqs),
+            hq,
+            hkv,
+            d,
+            bs,
+            scale,
             *_bounds(self._split(plan.num_rows, 8)),
-        )  # fmt: skip
+        )
         if rc != 0:
             raise MemoryError("attention: out of memory for its scratch")
         rc = self.lib.epd_par_extend_attention(
-            *common, _ptr(plan.units), hq, hkv, d, bs, scale,
+            *common,
+            _ptr(plan.units),
+            hq,
+            hkv,
+            d,
+            bs,
+            scale,
             *_bounds(plan.unit_ranges(torch.get_num_threads())),
-        )  # fmt: skip
+        )
         if rc == -1:
             raise MemoryError("attention: out of memory for its scratch")
         if rc != 0:
             raise ValueError("attention: a tile the kernel does not take")
         if plan.sdpa_meta is not None:
-            ref.extend_rows(query, k_cache, v_cache, plan.sdpa_meta, scale, out, plan.starts,
-                            one=extend_one_split)  # fmt: skip
+            ref.extend_rows(
+                query,
+                k_cache,
+                v_cache,
+                plan.sdpa_meta,
+                scale,
+                out,
+                plan.starts,
+                one=extend_one_split,
+            )
         return out
 
     # -- whole decode step -----------------------------------------------------------
-    def decode_stack(self, stack: DecoderStack, positions, hidden, kv_caches, meta,
-                     aux_layers: tuple[int, ...] = ()):  # fmt: skip
+    def decode_stack(
+        self,
+        stack: DecoderStack,
+        positions,
+        hidden,
+        kv_caches,
+        meta,
+        aux_layers: tuple[int, ...] = (),
+    ):
         return self._native_stack.run(stack, positions, hidden, kv_caches, meta, aux_layers)
 
     def decode_greedy(self, stack, embed, head, tokens, positions, kv_caches, meta, steps: int):
-        return self._native_stack.run_greedy(stack, embed, head, tokens, positions, kv_caches,
-                                             meta, steps)  # fmt: skip
+        return self._native_stack.run_greedy(
+            stack, embed, head, tokens, positions, kv_caches, meta, steps
+        )
 
     def greedy_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         screen = self._screen(weight) if self.screen_heads and x.dim() == 2 else None
@@ -165,10 +203,13 @@ class CpuBackend:
         rows, (n, k) = x.shape[0], weight.shape
         layout = _layout(weight)
         if (
-            x.dim() != 2 or rows > (GEMV_MAX_ROWS if layout else GEMV_RM_MAX_ROWS)
+            x.dim() != 2
+            or rows > (GEMV_MAX_ROWS if layout else GEMV_RM_MAX_ROWS)
             or torch.get_num_threads() != 1
-            or weight.dtype != _F32 or layout is None or not _fp32(x)
-        ):  # fmt: skip
+            or weight.dtype != _F32
+            or layout is None
+            or not _fp32(x)
+        ):
             return self._argmax(self.linear(x, weight).float())
         out = torch.empty(rows, dtype=torch.int64)
         if self.lib.epd_gemv_argmax(_ptr(out), _ptr(x), _ptr(weight), rows, k, n, layout):
@@ -205,8 +246,17 @@ class CpuBackend:
         y = torch.empty(x.shape[0], n, dtype=_F32)
         b = bias if bias is not None and _fp32(bias) else None
 
-        self.lib.epd_par_gemv(_ptr(y), _ptr(x), _ptr(weight), _ptr(b), x.shape[0], k, n,
-                              transposed, *_bounds(self._split(n, 2048)))  # fmt: skip
+        self.lib.epd_par_gemv(
+            _ptr(y),
+            _ptr(x),
+            _ptr(weight),
+            _ptr(b),
+            x.shape[0],
+            k,
+            n,
+            transposed,
+            *_bounds(self._split(n, 2048)),
+        )
         if bias is not None and b is None:
             y += bias
         return y
@@ -229,8 +279,18 @@ class CpuBackend:
         hkv, rot = key.shape[1], cos_sin_cache.shape[-1]
         self._check_positions(pos, cos_sin_cache.shape[0])
 
-        self.lib.epd_par_rotary(_ptr(query), _ptr(key), _ptr(pos), _ptr(cos_sin_cache), hq, hkv,
-                                d, rot, int(is_neox), *_bounds(self._split(t, 256)))  # fmt: skip
+        self.lib.epd_par_rotary(
+            _ptr(query),
+            _ptr(key),
+            _ptr(pos),
+            _ptr(cos_sin_cache),
+            hq,
+            hkv,
+            d,
+            rot,
+            int(is_neox),
+            *_bounds(self._split(t, 256)),
+        )
 
     def _check_positions(self, pos: torch.Tensor, table_len: int) -> None:
         """Positions index the cos/sin table in C: check them once per step, not per layer."""
@@ -248,6 +308,14 @@ class CpuBackend:
         out = torch.empty_like(x)
         res_out = torch.empty_like(x) if residual is not None else None
 
-        self.lib.epd_par_rms_norm(_ptr(out), _ptr(res_out), _ptr(x), _ptr(residual), _ptr(weight),
-                                  h, eps, *_bounds(self._split(m, 256)))  # fmt: skip
+        self.lib.epd_par_rms_norm(
+            _ptr(out),
+            _ptr(res_out),
+            _ptr(x),
+            _ptr(residual),
+            _ptr(weight),
+            h,
+            eps,
+            *_bounds(self._split(m, 256)),
+        )
         return out if residual is None else (out, res_out)

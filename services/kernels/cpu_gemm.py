@@ -62,8 +62,9 @@ def packing_works() -> bool:
         x, w = torch.randn(GEMM_MIN_ROWS + 1, 24), torch.randn(40, 24)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
         want = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                           want)  # fmt: skip
+        return torch.equal(
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), want
+        )
     except (RuntimeError, AttributeError):
         return False
 

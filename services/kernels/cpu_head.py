@@ -63,8 +63,9 @@ def bf16_linear_works() -> bool:
     screen even where bfloat16 is emulated; where it is not there, the fp32 head serves)."""
     try:
         w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(3, 4, dtype=torch.bfloat16), 8)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(8, 4, dtype=torch.bfloat16), w, None,
-                                               "none", [], "")  # fmt: skip
+        y = torch.ops.mkldnn._linear_pointwise(
+            torch.ones(8, 4, dtype=torch.bfloat16), w, None, "none", [], ""
+        )
         return bool((y.float() == 4).all())
     except (RuntimeError, AttributeError):
         return False
@@ -97,8 +98,13 @@ class ScreenedHead:
     read it); ``__call__(x)`` gives the greedy tokens of ``x`` [M, K] fp32. ``split(n,
     min_chunk)``: the backend's ranges per thread."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, layout: int,
-                 split: Callable[[int, int], list[tuple[int, int]]]):  # fmt: skip
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        weight: torch.Tensor,
+        layout: int,
+        split: Callable[[int, int], list[tuple[int, int]]],
+    ):
         self.lib, self.weight, self.layout, self.split = lib, weight, layout, split
         self.version = weight._version  # torch's count of in-place writes: stale when it moves
         self.vocab, self.k = weight.shape
@@ -115,8 +121,15 @@ class ScreenedHead:
             return torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
         s = torch.empty(xb.shape[0], self.vocab, dtype=torch.bfloat16)
         ptr = cpu_native.ptr
-        if self.lib.epd_par_gemv_bf16(ptr(s), ptr(xb), ptr(self.plain), xb.shape[0], self.k,
-                                      self.vocab, *cpu_native.bounds(self.split(self.vocab, 2048))):  # fmt: skip
+        if self.lib.epd_par_gemv_bf16(
+            ptr(s),
+            ptr(xb),
+            ptr(self.plain),
+            xb.shape[0],
+            self.k,
+            self.vocab,
+            *cpu_native.bounds(self.split(self.vocab, 2048)),
+        ):
             raise MemoryError("greedy head: out of memory for the bfloat16 sums")
         return s
 
@@ -133,10 +146,20 @@ class ScreenedHead:
         p, q = _up(xbn) + 1e-30, _up((xbd - xd).norm(dim=1) + self.sums * xbn) + 1e-30
         ptr = cpu_native.ptr
         left = self.lib.epd_par_screen_argmax(
-            ptr(out), ptr(s), ptr(x), ptr(self.weight), ptr(self.norms), ptr(self.err_norms),
-            ptr(p), ptr(q), self.k, self.vocab, self.layout, CAP,
+            ptr(out),
+            ptr(s),
+            ptr(x),
+            ptr(self.weight),
+            ptr(self.norms),
+            ptr(self.err_norms),
+            ptr(p),
+            ptr(q),
+            self.k,
+            self.vocab,
+            self.layout,
+            CAP,
             *cpu_native.bounds(self.split(x.shape[0], 8)),
-        )  # fmt: skip
+        )
         if left < 0:
             raise MemoryError("greedy head: out of memory for the screen's scratch")
         return out

@@ -38,15 +38,44 @@ OPENMP = ["-fopenmp"]
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "epd_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64,
-                                            _I64, _I64, _I64, _F]),
-    "epd_extend_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
-                                            _I64, _I64, _F]),
-    "epd_decode_stack": (ctypes.c_int, [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                                        _F, _F, _P, _P, _I64, _I64]),
+    "epd_decode_attention": (
+        ctypes.c_int,
+        [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F],
+    ),
+    "epd_extend_attention": (
+        ctypes.c_int,
+        [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F],
+    ),
+    "epd_decode_stack": (
+        ctypes.c_int,
+        [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F, _P, _P, _I64, _I64],
+    ),
     "epd_decode_scratch": (_I64, [_P, _I64]),
-    "epd_decode_greedy": (ctypes.c_int, [_P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, _P, _P,
-                                         _P, _P, _P, _P, _F, _F, _P, _P, _I64, _I64]),
+    "epd_decode_greedy": (
+        ctypes.c_int,
+        [
+            _P,
+            _P,
+            _P,
+            _P,
+            ctypes.c_int,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _F,
+            _F,
+            _P,
+            _P,
+            _I64,
+            _I64,
+        ],
+    ),
     "epd_decode_greedy_scratch": (_I64, [_P, _I64, _I64]),
     "epd_gemv_t": (None, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
     "epd_gemv_rows": (ctypes.c_int, [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64]),
@@ -57,25 +86,58 @@ _SIGNATURES = {
     "epd_gemv_argmax": (ctypes.c_int, [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]),
     "epd_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]),
     "epd_openmp": (ctypes.c_int, []),
-    "epd_par_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64,
-                                                _I64, _I64, _I64, _F, _P, _I64]),
-    "epd_par_extend_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
-                                                _I64, _F, _P, _I64]),
+    "epd_par_decode_attention": (
+        ctypes.c_int,
+        [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],
+    ),
+    "epd_par_extend_attention": (
+        ctypes.c_int,
+        [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],
+    ),
     "epd_par_gemv": (None, [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),
     "epd_par_silu_mul": (None, [_P, _P, _I64, _P, _I64]),
     "epd_par_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _F, _P, _I64]),
     "epd_par_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),
     "epd_par_argmax": (None, [_P, _P, _I64, _P, _I64]),
-    "epd_screen_argmax": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
-                                 ctypes.c_int, _I64]),
+    "epd_screen_argmax": (
+        _I64,
+        [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, _I64],
+    ),
     "epd_par_gemv_bf16": (ctypes.c_int, [_P, _P, _P, _I64, _I64, _I64, _P, _I64]),
-    "epd_par_screen_argmax": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_int,
-                                     _I64, _P, _I64]),
-    "epd_par_decode_stack": (None, [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F,
-                                    _F, _P, _P, _I64, _P]),
-    "epd_par_decode_greedy": (None, [_P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, _P, _P, _P,
-                                     _P, _P, _P, _F, _F, _P, _P, _I64, _P]),
-}  # fmt: skip
+    "epd_par_screen_argmax": (
+        _I64,
+        [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_int, _I64, _P, _I64],
+    ),
+    "epd_par_decode_stack": (
+        None,
+        [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _F, _F, _P, _P, _I64, _P],
+    ),
+    "epd_par_decode_greedy": (
+        None,
+        [
+            _P,
+            _P,
+            _P,
+            _P,
+            ctypes.c_int,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _F,
+            _F,
+            _P,
+            _P,
+            _I64,
+            _P,
+        ],
+    ),
+}
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -129,8 +191,12 @@ def _cpu_id() -> str:
 def _library_path(cache_dir: Path, compiler: str) -> Path:
     h = hashlib.sha256()
     parts = [p.read_bytes() for p in SOURCES + HEADERS]
-    parts += [" ".join(FLAGS + OPENMP).encode(), compiler.encode(), _cpu_id().encode(),
-              platform.machine().encode()]  # fmt: skip
+    parts += [
+        " ".join(FLAGS + OPENMP).encode(),
+        compiler.encode(),
+        _cpu_id().encode(),
+        platform.machine().encode(),
+    ]
     for part in parts:
         h.update(part)
         h.update(b"\0")
@@ -191,8 +257,9 @@ def load(cache_dir: str | os.PathLike, compiler: str = "cc") -> ctypes.CDLL | No
     lib = None
     cc = shutil.which(compiler)
     if cc is None:
-        log.warning("no C compiler %r found: native CPU kernels off, using the torch backend",
-                    compiler)  # fmt: skip
+        log.warning(
+            "no C compiler %r found: native CPU kernels off, using the torch backend", compiler
+        )
     elif platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         log.warning(
             "native CPU kernels untested on %s: using the torch backend", platform.machine()

@@ -102,9 +102,13 @@ def _decode_attention(query, k_cache, v_cache, groups: list[_DecodeGroup], scale
         q = query.index_select(0, grp.rows)[:, :, None, :]  # [g, Hq, 1, D]
         # SDPA reads the [g, Hkv, L, D] views through their strides: no transposed copy.
         o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=grp.mask, scale=scale, enable_gqa=hq != hkv,
-        )  # fmt: skip
+            q,
+            k.transpose(1, 2).to(q.dtype),
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=grp.mask,
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )
         out.index_copy_(0, grp.rows, o[:, :, 0])
     return out
 
@@ -134,8 +138,17 @@ def query_starts(meta: AttentionMetadata) -> list[int]:
     return starts
 
 
-def extend_rows(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, starts,
-                min_context: int = 0, one=None):  # fmt: skip
+def extend_rows(
+    query,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out,
+    starts,
+    min_context: int = 0,
+    one=None,
+):
     """Attention of every sequence with more than one new row (and a context of at least
     ``min_context``), one by one, into out; ``one``: extend_one's contract (the cpu
     backend passes its own)."""

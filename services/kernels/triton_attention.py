@@ -26,9 +26,18 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def load_kv_tile(
-    cache_ptr, table_ptr, tok, valid, head, offs_d, d_mask,
-    stride_blk, stride_tok, stride_head, PAGE: tl.constexpr,
-):  # fmt: skip
+    cache_ptr,
+    table_ptr,
+    tok,
+    valid,
+    head,
+    offs_d,
+    d_mask,
+    stride_blk,
+    stride_tok,
+    stride_head,
+    PAGE: tl.constexpr,
+):
     """Gather the [BLOCK_N, BLOCK_D] rows of tokens ``tok`` through one block-table row."""
     block = tl.load(table_ptr + tok // PAGE, mask=valid, other=0).to(tl.int64)
     ptrs = (
@@ -51,11 +60,29 @@ def dot_acc32(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def attend_paged(
-    q, k_ptr, v_ptr, table, start, end, last_key, kvh, offs_d, d_mask, qk_scale,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    q,
+    k_ptr,
+    v_ptr,
+    table,
+    start,
+    end,
+    last_key,
+    kvh,
+    offs_d,
+    d_mask,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
     IEEE: tl.constexpr,
-):  # fmt: skip
+):
     """Online softmax of q [ROWS, D] over keys start..end-1; row r sees keys <= last_key[r].
 
     Returns the fp32 (acc, running max m, sum l); the output is acc / l.
@@ -86,12 +113,36 @@ def attend_paged(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, seq_lens_ptr, qk_scale, tokens_per_split,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_tb, stride_ot, stride_oh, stride_os,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    tokens_per_split,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program (seq b, kv head, split): the GROUP query heads of one kv head over a token range.
 
     The query heads sharing a kv head form the rows of one tile (padded to 16 for tl.dot),
@@ -107,11 +158,29 @@ def _decode_kernel(
     start = split * tokens_per_split
     end = tl.minimum(tl.load(seq_lens_ptr + b), start + tokens_per_split)
     acc, m, l_sum = attend_paged(
-        q.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, table_ptr + b * stride_tb, start, end,
-        tl.full([BLOCK_G], end - 1, tl.int32), kvh, offs_d, offs_d < HEAD_DIM, qk_scale,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        BLOCK_G, BLOCK_D, BLOCK_N, PAGE, IEEE,
-    )  # fmt: skip
+        q.to(k_ptr.dtype.element_ty),
+        k_ptr,
+        v_ptr,
+        table_ptr + b * stride_tb,
+        start,
+        end,
+        tl.full([BLOCK_G], end - 1, tl.int32),
+        kvh,
+        offs_d,
+        offs_d < HEAD_DIM,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        BLOCK_G,
+        BLOCK_D,
+        BLOCK_N,
+        PAGE,
+        IEEE,
+    )
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     o_ptrs = (
         out_ptr + b * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
@@ -126,9 +195,16 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_ptr, lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Program (seq b, query head): merge the splits' partials weighted by 2^(lse - max lse)."""
     b, h = tl.program_id(0), tl.program_id(1)
     row = b * tl.num_programs(1) + h
@@ -207,16 +283,41 @@ def decode_attention(
     split = num_splits > 1
     target, lse, strides = _split_workspace(out, num_splits)
     _decode_kernel[(b, hkv, num_splits)](
-        query, k_cache, v_cache, target, lse, block_tables, seq_lens, scale * LOG2E, tokens,
-        query.stride(0), query.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), *strides,
-        GROUP=group, HEAD_DIM=d, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=_BLOCK_N, SPLIT=split,
-        IEEE=k_cache.dtype == torch.float32, num_warps=4,
-    )  # fmt: skip
+        query,
+        k_cache,
+        v_cache,
+        target,
+        lse,
+        block_tables,
+        seq_lens,
+        scale * LOG2E,
+        tokens,
+        query.stride(0),
+        query.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        *strides,
+        GROUP=group,
+        HEAD_DIM=d,
+        PAGE=page,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=_BLOCK_N,
+        SPLIT=split,
+        IEEE=k_cache.dtype == torch.float32,
+        num_warps=4,
+    )
     if split:
         _reduce_kernel[(b, hq)](
-            target, lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
-        )  # fmt: skip
+            target,
+            lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(d),
+        )
     return out

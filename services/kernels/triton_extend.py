@@ -23,12 +23,33 @@ _BLOCK_N = 64  # keys per inner iteration
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, qsl_ptr, seq_lens_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_tb, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    table_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program (row tile, seq b, query head): BLOCK_M new rows of one head of one sequence."""
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -44,12 +65,29 @@ def _extend_kernel(
     q = tl.load(q_ptr + t_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
     acc, _, l_sum = attend_paged(
-        q, k_ptr, v_ptr, table_ptr + b * stride_tb, 0,
+        q,
+        k_ptr,
+        v_ptr,
+        table_ptr + b * stride_tb,
+        0,
         tl.minimum(seq_len, seq_len - q_len + tile * BLOCK_M + BLOCK_M),  # the tile's causal end
-        seq_len - q_len + rows, h // GROUP, offs_d, d_mask, qk_scale,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        BLOCK_M, BLOCK_D, BLOCK_N, PAGE, IEEE,
-    )  # fmt: skip
+        seq_len - q_len + rows,
+        h // GROUP,
+        offs_d,
+        d_mask,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        BLOCK_M,
+        BLOCK_D,
+        BLOCK_N,
+        PAGE,
+        IEEE,
+    )
     # Every real row sees key 0, so l_sum > 0 there; padded rows are never stored.
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     o_ptrs = out_ptr + t_rows * stride_ot + h * stride_oh + offs_d[None, :]
@@ -89,11 +127,28 @@ def extend_attention(
         return out
     grid = (triton.cdiv(max_query_len, _BLOCK_M), b, hq)
     _extend_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
-        query.stride(0), query.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_M=_BLOCK_M,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=_BLOCK_N, IEEE=k_cache.dtype == torch.float32,
+        query,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=d,
+        PAGE=k_cache.shape[1],
+        BLOCK_M=_BLOCK_M,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=_BLOCK_N,
+        IEEE=k_cache.dtype == torch.float32,
         num_warps=4,
-    )  # fmt: skip
+    )
     return out

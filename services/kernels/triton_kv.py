@@ -11,12 +11,27 @@ from services.kernels.triton_checks import FLOAT_DTYPES, check, check_kv_cache, 
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Program t: copy token t's [Hkv, D] key and value rows to slot ``slot_mapping[t]``."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -55,9 +70,20 @@ def write_kv(
     if t == 0:
         return
     _write_kv_kernel[(t,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_HEADS=h, HEAD_DIM=d, PAGE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-    )  # fmt: skip
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        NUM_HEADS=h,
+        HEAD_DIM=d,
+        PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_D=triton.next_power_of_2(d),
+    )

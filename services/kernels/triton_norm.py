@@ -16,10 +16,20 @@ from services.kernels.triton_checks import FLOAT_DTYPES, check, check_tensor
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
-    stride_x, stride_r, stride_o, stride_ro,
-    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     """Program t: one row of ``HIDDEN`` features."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -59,8 +69,19 @@ def rms_norm(
     if t > 0:
         r, ro = (residual, res_out) if residual is not None else (x, x)
         _rms_norm_kernel[(t,)](
-            x, r, weight, out, ro, eps, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-            HIDDEN=h, BLOCK_H=triton.next_power_of_2(h), HAS_RESIDUAL=residual is not None,
+            x,
+            r,
+            weight,
+            out,
+            ro,
+            eps,
+            x.stride(0),
+            r.stride(0),
+            out.stride(0),
+            ro.stride(0),
+            HIDDEN=h,
+            BLOCK_H=triton.next_power_of_2(h),
+            HAS_RESIDUAL=residual is not None,
             num_warps=4 if h <= 4096 else 8,
-        )  # fmt: skip
+        )
     return out if res_out is None else (out, res_out)

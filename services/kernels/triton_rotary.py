@@ -16,9 +16,16 @@ from services.kernels.triton_checks import FLOAT_DTYPES, check, check_tensor
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, stride_h, cos, sin, offs_j,
-    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    stride_h,
+    cos,
+    sin,
+    offs_j,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
     """Rotate the pairs (x1, x2) of every head of one token: x1' = x1 c - x2 s, x2' = x2 c + x1 s."""
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_j < HALF)[None, :]
@@ -36,10 +43,23 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, IS_NEOX: tl.constexpr,
-):  # fmt: skip
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
     """Program t: every query and key head of token t."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
@@ -70,9 +90,20 @@ def rotary(
     if t == 0:
         return
     _rotary_kernel[(t,)](
-        positions, query, key, cos_sin_cache, query.stride(0), query.stride(1),
-        key.stride(0), key.stride(1), cos_sin_cache.stride(0),
-        HQ=query.shape[1], HKV=key.shape[1], HALF=rot // 2, BLOCK_J=triton.next_power_of_2(rot // 2),
-        BLOCK_HQ=triton.next_power_of_2(query.shape[1]), BLOCK_HKV=triton.next_power_of_2(key.shape[1]),
+        positions,
+        query,
+        key,
+        cos_sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        cos_sin_cache.stride(0),
+        HQ=query.shape[1],
+        HKV=key.shape[1],
+        HALF=rot // 2,
+        BLOCK_J=triton.next_power_of_2(rot // 2),
+        BLOCK_HQ=triton.next_power_of_2(query.shape[1]),
+        BLOCK_HKV=triton.next_power_of_2(key.shape[1]),
         IS_NEOX=is_neox,
-    )  # fmt: skip
+    )

@@ -69,7 +69,7 @@ def _row_max(
 @triton.jit
 def _count_ge(
     logits_ptr, rows, r_mask, stride, temp, t, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr
-):  # fmt: skip
+):
     """count(key >= t), the smallest key >= t and the largest key < t (token keys only)."""
     c = tl.zeros([BLOCK_B], tl.int32)
     above = tl.full([BLOCK_B], _INT32_MAX, tl.int64)
@@ -87,7 +87,7 @@ def _count_ge(
 @triton.jit
 def _mass_gt(
     logits_ptr, rows, r_mask, stride, temp, m, t, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr
-):  # fmt: skip
+):
     """Unnormalised mass sum(exp(s - m)) of the keys > t, the smallest key > t, the largest <= t."""
     z = tl.zeros([BLOCK_B], tl.float32)
     above = tl.full([BLOCK_B], _INT32_MAX, tl.int64)
@@ -110,7 +110,7 @@ def _mass_gt(
 @triton.jit
 def _top_k_key(
     logits_ptr, rows, r_mask, stride, temp, k, top, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr
-):  # fmt: skip
+):
     """Key of the k-th largest scaled logit (rows with top-k off: INT32_MIN, keeps all)."""
     lo = tl.full([BLOCK_B], _INT32_MIN, tl.int64)
     hi = tl.where((k > 0) & (k < V), top, lo)
@@ -127,9 +127,19 @@ def _top_k_key(
 
 @triton.jit
 def _top_p_key(
-    logits_ptr, rows, r_mask, stride, temp, p, m, floor, top, V,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    rows,
+    r_mask,
+    stride,
+    temp,
+    p,
+    m,
+    floor,
+    top,
+    V,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Smallest key t >= floor with mass(key > t) < p * mass(key >= floor); p >= 1: floor."""
     total, _, _ = _mass_gt(
         logits_ptr, rows, r_mask, stride, temp, m, floor - 1, V, BLOCK_B, BLOCK_V
@@ -157,8 +167,22 @@ def _argmax_update(val, v0, best, idx):
 
 
 @triton.jit
-def _draw(logits_ptr, rows, r_mask, stride, temp, thr, m, min_p, seed, V,
-          BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, ALL_GREEDY: tl.constexpr, USE_MIN_P: tl.constexpr):  # fmt: skip
+def _draw(
+    logits_ptr,
+    rows,
+    r_mask,
+    stride,
+    temp,
+    thr,
+    m,
+    min_p,
+    seed,
+    V,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+    USE_MIN_P: tl.constexpr,
+):
     """One pass: greedy argmax and Gumbel-max over the kept tokens; returns the row's token."""
     best_g = tl.full([BLOCK_B], float("-inf"), tl.float32)
     best_s = tl.full([BLOCK_B], float("-inf"), tl.float32)
@@ -181,10 +205,20 @@ def _draw(logits_ptr, rows, r_mask, stride, temp, thr, m, min_p, seed, V,
 
 @triton.jit
 def _keep_threshold(
-    logits_ptr, top_k_ptr, top_p_ptr, rows, r_mask, stride, temp, V,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+    logits_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    rows,
+    r_mask,
+    stride,
+    temp,
+    V,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    USE_TOP_K: tl.constexpr,
+    USE_TOP_P: tl.constexpr,
     USE_MIN_P: tl.constexpr,
-):  # fmt: skip
+):
     """(key threshold of top-k then top-p, row max m of the scaled logits)."""
     thr = tl.full([BLOCK_B], _INT32_MIN, tl.int64)
     m = tl.zeros([BLOCK_B], tl.float32)
@@ -198,16 +232,30 @@ def _keep_threshold(
         p = tl.load(top_p_ptr + rows, mask=r_mask, other=1.0)
         thr = _top_p_key(
             logits_ptr, rows, r_mask, stride, temp, p, m, thr, top, V, BLOCK_B, BLOCK_V
-        )  # fmt: skip
+        )
     return thr, m
 
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, B, V, stride,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, ALL_GREEDY: tl.constexpr,
-    USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    out_ptr,
+    temp_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    pos_ptr,
+    B,
+    V,
+    stride,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+    USE_TOP_K: tl.constexpr,
+    USE_TOP_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr,
+):
     """Program: BLOCK_B rows; masks only what the constexpr flags say some row uses."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     r_mask = rows < B
@@ -220,18 +268,42 @@ def _sample_kernel(
     seed = tl.zeros([BLOCK_B], tl.int64)
     if not ALL_GREEDY:
         seed = mix_seed(
-            tl.load(seed_ptr + rows, mask=r_mask, other=0), tl.load(pos_ptr + rows, mask=r_mask, other=0)
-        )  # fmt: skip
+            tl.load(seed_ptr + rows, mask=r_mask, other=0),
+            tl.load(pos_ptr + rows, mask=r_mask, other=0),
+        )
         thr, m = _keep_threshold(
-            logits_ptr, top_k_ptr, top_p_ptr, rows64, r_mask, stride, temp, V,
-            BLOCK_B, BLOCK_V, USE_TOP_K, USE_TOP_P, USE_MIN_P,
-        )  # fmt: skip
+            logits_ptr,
+            top_k_ptr,
+            top_p_ptr,
+            rows64,
+            r_mask,
+            stride,
+            temp,
+            V,
+            BLOCK_B,
+            BLOCK_V,
+            USE_TOP_K,
+            USE_TOP_P,
+            USE_MIN_P,
+        )
         if USE_MIN_P:
             min_p = tl.load(min_p_ptr + rows, mask=r_mask, other=0.0)
     idx_g, idx_s = _draw(
-        logits_ptr, rows64, r_mask, stride, temp, thr, m, min_p, seed, V,
-        BLOCK_B, BLOCK_V, ALL_GREEDY, USE_MIN_P,
-    )  # fmt: skip
+        logits_ptr,
+        rows64,
+        r_mask,
+        stride,
+        temp,
+        thr,
+        m,
+        min_p,
+        seed,
+        V,
+        BLOCK_B,
+        BLOCK_V,
+        ALL_GREEDY,
+        USE_MIN_P,
+    )
     tl.store(out_ptr + rows, tl.where(t_raw > 0, idx_s, idx_g).to(tl.int64), mask=r_mask)
 
 
@@ -240,9 +312,13 @@ def _check_sampling(logits: torch.Tensor, t: SamplingTensors) -> None:
     check_tensor(logits, "logits", 2, (torch.float32,), dev)
     b = logits.shape[0]
     for name, dtype in (
-        ("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
-        ("min_p", torch.float32), ("seeds", torch.int64), ("positions", torch.int64),
-    ):  # fmt: skip
+        ("temperature", torch.float32),
+        ("top_k", torch.int32),
+        ("top_p", torch.float32),
+        ("min_p", torch.float32),
+        ("seeds", torch.int64),
+        ("positions", torch.int64),
+    ):
         tensor = getattr(t, name)
         check_tensor(tensor, name, 1, (dtype,), dev)
         check(tensor.shape[0] == b and tensor.is_contiguous(), f"{name} must be [B] contiguous")
@@ -258,10 +334,23 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     block_v = min(triton.next_power_of_2(v), _TILE)
     block_b = max(1, min(_TILE // block_v, triton.next_power_of_2(b)))
     _sample_kernel[(triton.cdiv(b, block_b),)](
-        logits, out, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, t.positions,
-        b, v, logits.stride(0),
-        BLOCK_B=block_b, BLOCK_V=block_v, ALL_GREEDY=t.all_greedy,
-        USE_TOP_K=not t.no_top_k, USE_TOP_P=not t.no_top_p, USE_MIN_P=not t.no_min_p,
+        logits,
+        out,
+        t.temperature,
+        t.top_k,
+        t.top_p,
+        t.min_p,
+        t.seeds,
+        t.positions,
+        b,
+        v,
+        logits.stride(0),
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
+        ALL_GREEDY=t.all_greedy,
+        USE_TOP_K=not t.no_top_k,
+        USE_TOP_P=not t.no_top_p,
+        USE_MIN_P=not t.no_min_p,
         num_warps=8 if block_v >= 2048 else 4,
-    )  # fmt: skip
+    )
     return out

@@ -13,17 +13,27 @@ from dataclasses import dataclass
 from services.models.checkpoint import CheckpointError
 
 # The ``architectures`` names services/models/registry.py implements.
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
-                                     "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                     "LlavaForConditionalGeneration"})  # fmt: skip
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "LlavaForConditionalGeneration",
+    }
+)
 
 _TEXT_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "vocab_size": 32000, "eos_token_id": 2},
-    "mistral": {"max_position_embeddings": 131072, "vocab_size": 32000, "eos_token_id": 2,
-                "sliding_window": 4096},
+    "mistral": {
+        "max_position_embeddings": 131072,
+        "vocab_size": 32000,
+        "eos_token_id": 2,
+        "sliding_window": 4096,
+    },
     "qwen2": {"max_position_embeddings": 32768, "vocab_size": 151936, "use_sliding_window": False},
     "qwen3": {"max_position_embeddings": 32768, "vocab_size": 151936, "use_sliding_window": False},
-}  # fmt: skip
+}
 _VISION_DEFAULTS = {
     "clip_vision_model": {"image_size": 224, "patch_size": 32},
     "siglip_vision_model": {"image_size": 224, "patch_size": 16},
@@ -66,8 +76,15 @@ def read_facts(cfg: dict) -> ConfigFacts:
         tid = top.get("image_token_id")
         image_id = int(tid if tid is not None else top["image_token_index"])
         per_image = tokens_per_image(cfg)
-    return ConfigFacts(archs, int(text["max_position_embeddings"] or 2048), window,
-                       int(text["vocab_size"]), text.get("eos_token_id"), image_id, per_image)  # fmt: skip
+    return ConfigFacts(
+        archs,
+        int(text["max_position_embeddings"] or 2048),
+        window,
+        int(text["vocab_size"]),
+        text.get("eos_token_id"),
+        image_id,
+        per_image,
+    )
 
 
 def _llava(cfg: dict) -> dict:

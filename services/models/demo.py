@@ -48,10 +48,17 @@ def _build_tokenizer(out: Path):
     # The generic fast class keeps tokenizer.json as saved (BertTokenizer would rebuild the
     # post-processor on load and append [SEP], i.e. EOS, to every prompt).
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]",
-        pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-        additional_special_tokens=["<image>"], model_max_length=2048,
-    )  # fmt: skip
+        tokenizer_object=backend,
+        bos_token="[CLS]",
+        eos_token="[SEP]",
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        additional_special_tokens=["<image>"],
+        model_max_length=2048,
+    )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     return tok
@@ -69,15 +76,26 @@ def _build_model(out: Path, tok) -> None:
 
     image_id = tok.convert_tokens_to_ids("<image>")
     text = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+        pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     vision = CLIPVisionConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        image_size=64, patch_size=16,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=64,
+        patch_size=16,
+    )
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id)
     torch.manual_seed(1234)
     model = LlavaForConditionalGeneration(cfg)

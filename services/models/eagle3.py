@@ -84,8 +84,13 @@ class _Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.ops is not None:
             q, k = q.contiguous(), k.contiguous()  # q/k norms may hand back views
-            self.ops.rotary(rope[0].reshape(-1), q.view(b * t, c.num_heads, c.head_dim),
-                            k.view(b * t, c.num_kv_heads, c.head_dim), rope[1], True)  # fmt: skip
+            self.ops.rotary(
+                rope[0].reshape(-1),
+                q.view(b * t, c.num_heads, c.head_dim),
+                k.view(b * t, c.num_kv_heads, c.head_dim),
+                rope[1],
+                True,
+            )
         else:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -259,6 +264,9 @@ def _rope_config(cfg: Eagle3Config):
     from transformers import LlamaConfig  # the rope init functions read a config object
 
     return LlamaConfig(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope),
-    )  # fmt: skip
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope),
+    )

@@ -166,14 +166,21 @@ class Eagle3Config:
             "transformer_layer_config": self._layer_json(),
             "speculators_config": {
                 "algorithm": self.model_type,
-                "proposal_methods": [{"proposal_type": "greedy",
-                                      "speculative_tokens": self.speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": self.speculative_tokens,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": self.verifier.get("name_or_path"),
-                             "architectures": list(self.verifier.get("architectures", []))},
+                "verifier": {
+                    "name_or_path": self.verifier.get("name_or_path"),
+                    "architectures": list(self.verifier.get("architectures", [])),
+                },
             },
-        }  # fmt: skip
+        }
         if self.parallel:
             out["mask_token_id"] = self.mask_token_id
         return out

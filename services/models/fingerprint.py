@@ -38,8 +38,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "epd-serve" / "fingerprints"
 
 
-def checkpoint_fingerprint(model_dir: Path, extra: str = "",
-                           cache_dir: Path | None = None) -> str:  # fmt: skip
+def checkpoint_fingerprint(model_dir: Path, extra: str = "", cache_dir: Path | None = None) -> str:
     """16 hex digits over the checkpoint's JSON configs and the content digests of its
     safetensors files (by file name, not path); ``extra``: what else changes the
     model (load format, dummy seed)."""

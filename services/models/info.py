@@ -114,6 +114,14 @@ class ModelInfo:
         model_dir = resolve_model_dir(config)
         facts = read_facts(read_json(model_dir / "config.json"))
         model_id = "demo" if config.model == "demo" else model_dir.name
-        return cls(model_id, model_dir, facts.architectures, max_model_len(facts, config),
-                   fingerprint(model_dir, config), facts.vocab_size, facts.image_token_id,
-                   facts.tokens_per_image, facts.eos_token_id)  # fmt: skip
+        return cls(
+            model_id,
+            model_dir,
+            facts.architectures,
+            max_model_len(facts, config),
+            fingerprint(model_dir, config),
+            facts.vocab_size,
+            facts.image_token_id,
+            facts.tokens_per_image,
+            facts.eos_token_id,
+        )

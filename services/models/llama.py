@@ -26,8 +26,13 @@ from services.models.weight_layout import column_major_linears
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # checkpoint projection name -> (fused parameter, shard index)
-_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class RMSNorm(nn.Module):
@@ -55,8 +60,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions, h, kv: KVCache, meta: AttentionMetadata, rope: torch.Tensor,
-                keep: OutputRows | None = None):  # fmt: skip
+    def forward(
+        self,
+        positions,
+        h,
+        kv: KVCache,
+        meta: AttentionMetadata,
+        rope: torch.Tensor,
+        keep: OutputRows | None = None,
+    ):
         t = h.shape[0]
         qkv = self.backend.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -132,8 +144,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack: DecoderStack | None = None  # built on first use, after loading
 
-    def forward(self, positions, h, kv_caches, meta, rope, keep: OutputRows | None = None,
-                aux_layers: tuple[int, ...] = ()):  # fmt: skip
+    def forward(
+        self,
+        positions,
+        h,
+        kv_caches,
+        meta,
+        rope,
+        keep: OutputRows | None = None,
+        aux_layers: tuple[int, ...] = (),
+    ):
         """Hidden states of every row, or of the ``keep`` rows only (see ``OutputRows``).
 
         With ``aux_layers`` (speculative decoding's draft heads, never with ``keep``):
@@ -143,8 +163,9 @@ class DecoderModel(nn.Module):
         if aux_layers and keep is not None:
             raise ValueError("aux hidden states are captured for every row (no keep)")
         if keep is None and meta.is_decode_only:
-            out = self.backend.decode_stack(self._stack(rope), positions, h, kv_caches, meta,
-                                            aux_layers)  # fmt: skip
+            out = self.backend.decode_stack(
+                self._stack(rope), positions, h, kv_caches, meta, aux_layers
+            )
             if out is not None:
                 return out
         residual = None
@@ -231,9 +252,16 @@ class LlamaForCausalLM(nn.Module):
         """``steps`` greedy decode steps from ``tokens`` in one backend call: [steps, B]
         token ids, or None when the backend has no such path (see Backend.decode_greedy)."""
         stack = self.model._stack(self.rope)
-        return self.model.backend.decode_greedy(stack, self.model.embed_tokens.weight,
-                                                self._head(), tokens, positions, kv_caches,
-                                                meta, steps)  # fmt: skip
+        return self.model.backend.decode_greedy(
+            stack,
+            self.model.embed_tokens.weight,
+            self._head(),
+            tokens,
+            positions,
+            kv_caches,
+            meta,
+            steps,
+        )
 
     def _head(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie else self.lm_head.weight

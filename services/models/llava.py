@@ -31,8 +31,12 @@ TEXT_MODELS = {
     "qwen3": Qwen3ForCausalLM,
 }
 
-_LM_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                ("model.language_model.", "model."), ("lm_head.", "lm_head."))  # fmt: skip
+_LM_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 

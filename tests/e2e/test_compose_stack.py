@@ -43,8 +43,10 @@ def test_second_identical_request_hits_the_cache():
     # A system prompt of its own (part of the cache fingerprint): a rerun starts with a
     # miss. The answer, cut at its second word by a stop string, finishes with "stop":
     # only complete answers are stored.
-    messages = [{"role": "system", "content": f"compose test {time.time_ns()}"},
-                {"role": "user", "content": "Say hello to the compose stack."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": f"compose test {time.time_ns()}"},
+        {"role": "user", "content": "Say hello to the compose stack."},
+    ]
     with httpx.Client(base_url=URL, timeout=180) as client:
         words = _chat(client, messages).json()["choices"][0]["message"]["content"].split()
         assert len(words) >= 2, words

@@ -81,8 +81,12 @@ def by_id(doc: dict) -> dict[str, dict]:
 
 async def ask(client: httpx.AsyncClient, text: str, max_tokens: int = 8) -> str:
     """One chat completion; its x-epd-cache outcome."""
-    body = {"model": "demo", "messages": [{"role": "user", "content": text}],
-            "temperature": 0, "max_tokens": max_tokens}  # fmt: skip
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response.headers["x-epd-cache"]
@@ -93,8 +97,14 @@ async def test_state_lists_every_instance_by_role(fleet):
     doc = await state_until(client, lambda d: "cache-dash" in by_id(d))
     rows = by_id(doc)
     assert doc["mode"] == "disaggregated" and doc["model"] == "demo"
-    expected = {"gateway-dash": "gateway", "encoder-dash": "encode", "prefill-dash": "prefill",
-                "decode0-dash": "decode", "decode1-dash": "decode", "cache-dash": "cache"}  # fmt: skip
+    expected = {
+        "gateway-dash": "gateway",
+        "encoder-dash": "encode",
+        "prefill-dash": "prefill",
+        "decode0-dash": "decode",
+        "decode1-dash": "decode",
+        "cache-dash": "cache",
+    }
     assert {iid: rows[iid]["role"] for iid in expected} == expected
     assert all(rows[iid]["state"] == "serving" for iid in expected)
     for iid in ("encoder-dash", "prefill-dash", "decode0-dash"):
@@ -138,14 +148,20 @@ async def test_the_dashboard_needs_no_api_key(fleet):
     transport = httpx.ASGITransport(app=build_app(core))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         assert (await client.get("/v1/models")).status_code == 401  # the key is enforced
-        for path in ("/dashboard", "/dashboard/app.js", "/dashboard/style.css",
-                     "/dashboard/api/state"):  # fmt: skip
+        for path in (
+            "/dashboard",
+            "/dashboard/app.js",
+            "/dashboard/style.css",
+            "/dashboard/api/state",
+        ):
             assert (await client.get(path)).status_code == 200, path
         page = await client.get("/dashboard")
         assert page.headers["content-type"].startswith("text/html")
         assert "/dashboard/app.js" in page.text
-        assets = [(await client.get(p)).text for p in ("/dashboard", "/dashboard/app.js",
-                                                         "/dashboard/style.css")]  # fmt: skip
+        assets = [
+            (await client.get(p)).text
+            for p in ("/dashboard", "/dashboard/app.js", "/dashboard/style.css")
+        ]
         assert sum(len(a.encode()) for a in assets) < 50_000
         for text in assets:  # nothing from elsewhere (users run offline): no CDN, no fonts
             assert not re.search(r"https?:|(src|href)=\"//|@import|url\(", text)
@@ -179,8 +195,9 @@ async def test_serve_all_shows_its_one_engine(demo_dir, servers):
     engine = EngineConfig(model="demo", demo_dir=str(demo_dir), num_kv_blocks=128)
     stack = await start_aggregated(engine, *servers, "dash-all")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.gateway.http_port}",
-                                     timeout=60) as client:  # fmt: skip
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{stack.gateway.http_port}", timeout=60
+        ) as client:
             await ask(client, "One engine?", 4)
             doc = await state(client)
     finally:
@@ -195,12 +212,22 @@ async def test_serve_all_shows_its_one_engine(demo_dir, servers):
 
 
 async def chromium(*args: str, timeout_s: float = 120) -> bytes:
-    argv = [shutil.which("chromium") or "chromium", "--headless=new", "--no-sandbox",
-            "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--hide-scrollbars",
-            "--window-size=1400,700", "--virtual-time-budget=6000", *args]  # fmt: skip
+    argv = [
+        shutil.which("chromium") or "chromium",
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--window-size=1400,700",
+        "--virtual-time-budget=6000",
+        *args,
+    ]
     # Not subprocess.run: the fleet runs on this event loop and must keep serving the page.
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
     return out

@@ -32,15 +32,30 @@ def test_epd_up_with_credentials_serves_openai_and_grpc_and_stops_cleanly(demo_d
         random_image(1).save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
         client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="x", max_retries=0)
-        chat = client.chat.completions.create(model="demo", max_tokens=5, temperature=0,
-                                              messages=[{"role": "user", "content": [
-                                                  {"type": "image_url", "image_url": {"url": url}},
-                                                  {"type": "text", "text": "what is this?"}]}])  # fmt: skip
+        chat = client.chat.completions.create(
+            model="demo",
+            max_tokens=5,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "what is this?"},
+                    ],
+                }
+            ],
+        )
         assert chat.usage.completion_tokens == 5 and chat.usage.prompt_tokens > 16
-        msg = pb.ChatMessage(role="user", parts=[pb.ContentPart(image=buf.getvalue()),
-                                                 pb.ContentPart(text="what is this?")])  # fmt: skip
-        req = pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[msg]),
-                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=5))  # fmt: skip
+        msg = pb.ChatMessage(
+            role="user",
+            parts=[pb.ContentPart(image=buf.getvalue()), pb.ContentPart(text="what is this?")],
+        )
+        req = pb.GenerateRequest(
+            model="demo",
+            chat=pb.Chat(messages=[msg]),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=5),
+        )
         with grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}") as ch:
             out = pbg.InferenceStub(ch).GenerateOnce(req, timeout=60)
         assert list(out.token_ids)[:5] and out.usage.prompt_tokens > 16
@@ -63,8 +78,9 @@ def _assert_refused_without_credentials(running) -> None:
         redis.Redis.from_url(running.redis_url).ping()
 
     async def anonymous() -> None:
-        nc = await nats.connect(running.nats_url, connect_timeout=2, max_reconnect_attempts=0,
-                                allow_reconnect=False)  # fmt: skip
+        nc = await nats.connect(
+            running.nats_url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False
+        )
         await nc.close()
 
     with pytest.raises(Exception, match="(?i)authoriz"):

@@ -46,8 +46,9 @@ def test_epd_up_serves_two_models(demo_dir, tmp_path):
             stub = pbg.InferenceStub(ch)
             for model, tokens in want.items():
                 sp = pb.SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-                req = pb.GenerateRequest(model=model, prompt_token_ids=pb.TokenIds(ids=PROMPT),
-                                         sampling=sp)  # fmt: skip
+                req = pb.GenerateRequest(
+                    model=model, prompt_token_ids=pb.TokenIds(ids=PROMPT), sampling=sp
+                )
                 out = stub.GenerateOnce(req, timeout=120)
                 assert (out.model, list(out.token_ids)) == (model, tokens)
                 body = {"model": model, "prompt": PROMPT, "max_tokens": 2}
@@ -55,8 +56,11 @@ def test_epd_up_serves_two_models(demo_dir, tmp_path):
                 assert r.status_code == 200 and r.json()["model"] == model, r.text
                 fingerprints.add(r.json()["system_fingerprint"])
         assert len(fingerprints) == 2
-        missing = httpx.post(f"{running.base_url}/v1/completions", timeout=30,
-                             json={"model": "gpt-4", "prompt": "hi"})  # fmt: skip
+        missing = httpx.post(
+            f"{running.base_url}/v1/completions",
+            timeout=30,
+            json={"model": "gpt-4", "prompt": "hi"},
+        )
         assert missing.status_code == 404
     finally:
         output = running.stop()

@@ -46,11 +46,20 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(demo_dir, media_dir):
-    running = epd_up(demo_dir, "--max-model-len", "256",
-                     "--api-key", "test-key-1", "--api-key", KEY,
-                     "--allowed-local-media-path", str(media_dir),
-                     "--allowed-media-domains", "127.0.0.1",
-                     env={"EPD_MAX_BODY_MB": "40"})  # fmt: skip
+    running = epd_up(
+        demo_dir,
+        "--max-model-len",
+        "256",
+        "--api-key",
+        "test-key-1",
+        "--api-key",
+        KEY,
+        "--allowed-local-media-path",
+        str(media_dir),
+        "--allowed-media-domains",
+        "127.0.0.1",
+        env={"EPD_MAX_BODY_MB": "40"},
+    )
     yield running
     output = running.stop()
     assert running.proc.returncode == 0, output[-3000:]
@@ -62,21 +71,24 @@ BYPASS = {"x-epd-cache": "bypass"}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
-                         default_headers=BYPASS)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, default_headers=BYPASS
+    )
 
 
 @pytest.fixture
 def aclient(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
-                              default_headers=BYPASS)  # fmt: skip
+    return openai.AsyncOpenAI(
+        base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, default_headers=BYPASS
+    )
 
 
 def chat(client, content, max_tokens: int = 12, **kw):
     messages = kw.pop("messages", None) or [{"role": "user", "content": content}]
     kw.setdefault("temperature", 0)
-    return client.chat.completions.create(model="demo", messages=messages,
-                                          max_tokens=max_tokens, **kw)  # fmt: skip
+    return client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=max_tokens, **kw
+    )
 
 
 def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
@@ -96,9 +108,12 @@ def test_single_and_multi_turn_chat(client):
     assert choice.finish_reason in ("stop", "length")
     u = one.usage
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens and u.completion_tokens <= 12
-    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
-             {"role": "assistant", "content": choice.message.content},
-             {"role": "user", "content": "and then?"}]  # fmt: skip
+    turns = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": choice.message.content},
+        {"role": "user", "content": "and then?"},
+    ]
     multi = chat(client, None, messages=turns)
     assert multi.usage.prompt_tokens > u.prompt_tokens and multi.choices[0].message.content
 
@@ -112,9 +127,13 @@ def test_string_and_list_content_give_the_same_answer(client):
 async def test_streaming_deltas_join_to_the_full_answer(aclient, client, server):
     full = chat(client, "tell me a story", max_tokens=20)
     stream = await aclient.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=20,
-        temperature=0, stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model="demo",
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
@@ -128,13 +147,21 @@ async def test_streaming_deltas_join_to_the_full_answer(aclient, client, server)
         chunks[-1].choices == []
         and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     )
-    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     raw = post(server, "/v1/chat/completions", body)
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.text.rstrip().endswith("data: [DONE]")
-    events = [json.loads(e.removeprefix("data: ")) for e in raw.text.split("\n\n") if e.strip()
-              and e.strip() != "data: [DONE]"]  # fmt: skip
+    events = [
+        json.loads(e.removeprefix("data: "))
+        for e in raw.text.split("\n\n")
+        if e.strip() and e.strip() != "data: [DONE]"
+    ]
     keys = ["id", "created", "model", "system_fingerprint", "object", "choices", "usage"]
     assert all(list(e) == keys for e in events) and len({e["id"] for e in events}) == 1
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["total_tokens"]
@@ -207,8 +234,10 @@ def test_images_by_data_url_file_url_and_several(client, media_dir):
     )
     assert one.choices[0].message.content == from_file.choices[0].message.content
     assert one.usage.prompt_tokens > 16
-    three = chat(client, [*(image_part(data_url(png(s))) for s in (1, 2, 3)),
-                          {"type": "text", "text": "what?"}])  # fmt: skip
+    three = chat(
+        client,
+        [*(image_part(data_url(png(s))) for s in (1, 2, 3)), {"type": "text", "text": "what?"}],
+    )
     assert three.usage.prompt_tokens == one.usage.prompt_tokens + 32  # 16 tokens an image
 
 
@@ -222,20 +251,24 @@ def test_a_20mb_png_through_the_fleet(client):
 
 
 async def test_completions_with_and_without_streaming_and_echo(client, aclient):
-    out = client.completions.create(model="demo", prompt="once upon a time", max_tokens=8,
-                                    temperature=0)  # fmt: skip
+    out = client.completions.create(
+        model="demo", prompt="once upon a time", max_tokens=8, temperature=0
+    )
     assert out.object == "text_completion" and out.choices[0].text
-    echoed = client.completions.create(model="demo", prompt="once upon a time", max_tokens=8,
-                                       temperature=0, echo=True)  # fmt: skip
+    echoed = client.completions.create(
+        model="demo", prompt="once upon a time", max_tokens=8, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == "once upon a time" + out.choices[0].text
-    stream = await aclient.completions.create(model="demo", prompt="once upon a time",
-                                              max_tokens=8, temperature=0, stream=True)  # fmt: skip
+    stream = await aclient.completions.create(
+        model="demo", prompt="once upon a time", max_tokens=8, temperature=0, stream=True
+    )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
     assert sum(1 for c in chunks if c.choices[0].finish_reason) == 1
     for prompts in (["a b c", "d e f"], [[2000, 2001, 2002], [2003, 2004]]):
-        many = client.completions.create(model="demo", prompt=prompts, max_tokens=4,
-                                         temperature=0, logprobs=2)  # fmt: skip
+        many = client.completions.create(
+            model="demo", prompt=prompts, max_tokens=4, temperature=0, logprobs=2
+        )
         assert [c.index for c in many.choices] == [0, 1]
         assert all(len(c.logprobs.tokens) == len(c.logprobs.top_logprobs) for c in many.choices)
 
@@ -291,12 +324,36 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 
 def test_transport_level_errors(server, client):
     cases = [
-        (post(server, "/v1/chat/completions", "{not json", headers={"Content-Type": "application/json"}), 400),
-        (post(server, "/v1/chat/completions", json.dumps(_chat_body()), headers={"Content-Type": "text/plain"}), 400),
+        (
+            post(
+                server,
+                "/v1/chat/completions",
+                "{not json",
+                headers={"Content-Type": "application/json"},
+            ),
+            400,
+        ),
+        (
+            post(
+                server,
+                "/v1/chat/completions",
+                json.dumps(_chat_body()),
+                headers={"Content-Type": "text/plain"},
+            ),
+            400,
+        ),
         (post(server, "/v1/chat/completions", _chat_body(), key=None), 401),
         (post(server, "/v1/chat/completions", _chat_body(), key="wrong"), 401),
-        (post(server, "/v1/chat/completions", b"x" * (41 << 20), headers={"Content-Type": "application/json"}), 413),
-    ]  # fmt: skip
+        (
+            post(
+                server,
+                "/v1/chat/completions",
+                b"x" * (41 << 20),
+                headers={"Content-Type": "application/json"},
+            ),
+            413,
+        ),
+    ]
     for resp, status in cases:
         assert resp.status_code == status, resp.text
         assert resp.json()["error"]["message"]
@@ -349,8 +406,12 @@ async def test_request_ids_are_echoed_and_never_cross(server, client):
     solo = [chat(client, p).choices[0].message.content for p in prompts]
 
     async def ask(http: httpx.AsyncClient, prompt: str, rid: str):
-        body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
         resp = await http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
         return resp.headers["x-request-id"], resp.json()["choices"][0]["message"]["content"]
 
@@ -393,8 +454,11 @@ async def test_a_client_that_disconnects_frees_every_block(server):
                 if lines >= 3:
                     break
         await _until(lambda: beats["decode-0"].running == 1, timeout_s=5, must=False)
-        await _until(lambda: all(beats[k].free_kv_blocks == free0[k] and beats[k].running == 0
-                                 for k in free0))  # fmt: skip
+        await _until(
+            lambda: all(
+                beats[k].free_kv_blocks == free0[k] and beats[k].running == 0 for k in free0
+            )
+        )
     finally:
         await nc.close()
 
@@ -413,15 +477,17 @@ async def test_fifty_concurrent_streams_all_end_with_done(server):
     headers = {"Authorization": f"Bearer {KEY}"}
 
     async def one(http: httpx.AsyncClient, i: int) -> list[str]:
-        body = _chat_body(messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=16,
-                          stream=True)  # fmt: skip
+        body = _chat_body(
+            messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=16, stream=True
+        )
         async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
             return [line async for line in resp.aiter_lines() if line.startswith("data:")]
 
     limits = httpx.Limits(max_connections=60)
-    async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=120,
-                                 limits=limits) as http:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=headers, timeout=120, limits=limits
+    ) as http:
         results = await asyncio.gather(*(one(http, i) for i in range(50)))
     assert all(r[-1] == "data: [DONE]" and len(r) >= 3 for r in results)
 
@@ -437,8 +503,13 @@ def test_no_generated_request_gets_a_server_error(server):
     for result in spec.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=25,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def check(case):
             response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)

@@ -15,14 +15,26 @@ TEXT_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 def _text_config(kind: str, vocab: int, tok, **over):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig}[kind]  # fmt: skip
+    cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+    }[kind]
     kw = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=kind == "qwen3", head_dim=16,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=kind == "qwen3",
+        head_dim=16,
+    )
     if kind == "mistral":
         kw["sliding_window"] = None
     kw.update(over)
@@ -56,10 +68,18 @@ def make_text_checkpoint(
     return out
 
 
-def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama", seed: int = 0,
-                          strategy: str = "default", feature_layer=-2, image_size: int = 32,
-                          patch_size: int = 8, nested_processor: bool = False,
-                          **text_over) -> Path:  # fmt: skip
+def make_llava_checkpoint(
+    root: Path,
+    vision: str = "clip",
+    text: str = "llama",
+    seed: int = 0,
+    strategy: str = "default",
+    feature_layer=-2,
+    image_size: int = 32,
+    patch_size: int = 8,
+    nested_processor: bool = False,
+    **text_over,
+) -> Path:
     """``nested_processor``: save the image processor as transformers 5's
     ``LlavaProcessor.save_pretrained`` does (only processor_config.json)."""
     from transformers import (
@@ -80,12 +100,22 @@ def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama",
         return out
     tok = _build_tokenizer(out)
     vcls = CLIPVisionConfig if vision == "clip" else SiglipVisionConfig
-    vcfg = vcls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                image_size=image_size, patch_size=patch_size)  # fmt: skip
+    vcfg = vcls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
     tcfg = _text_config(text, len(tok), tok, **text_over)
-    cfg = LlavaConfig(vision_config=vcfg, text_config=tcfg,
-                      image_token_index=tok.convert_tokens_to_ids("<image>"),
-                      vision_feature_select_strategy=strategy, vision_feature_layer=feature_layer)  # fmt: skip
+    cfg = LlavaConfig(
+        vision_config=vcfg,
+        text_config=tcfg,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=feature_layer,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(cfg)
     _randomize(model, seed)
@@ -101,9 +131,13 @@ def make_llava_checkpoint(root: Path, vision: str = "clip", text: str = "llama",
     if nested_processor:
         from transformers import LlavaProcessor
 
-        LlavaProcessor(image_processor=proc(**kw), tokenizer=tok, patch_size=patch_size,
-                       vision_feature_select_strategy=strategy,
-                       chat_template=tok.chat_template).save_pretrained(str(out))  # fmt: skip
+        LlavaProcessor(
+            image_processor=proc(**kw),
+            tokenizer=tok,
+            patch_size=patch_size,
+            vision_feature_select_strategy=strategy,
+            chat_template=tok.chat_template,
+        ).save_pretrained(str(out))
         assert not (out / "preprocessor_config.json").exists()
     else:
         proc(**kw).save_pretrained(str(out))

@@ -10,21 +10,32 @@ from services.models.eagle3 import Eagle3Head
 from services.models.eagle3_config import Eagle3Config
 
 
-def head_config(target, kind: str = "eagle3", draft_vocab: int | None = None,
-                aux: tuple[int, ...] | None = None, **over) -> Eagle3Config:  # fmt: skip
+def head_config(
+    target,
+    kind: str = "eagle3",
+    draft_vocab: int | None = None,
+    aux: tuple[int, ...] | None = None,
+    **over,
+) -> Eagle3Config:
     """A one-layer head shaped for ``target`` (a transformers config)."""
     n = target.num_hidden_layers
     kw = dict(
-        model_type=kind, layer_type="llama", hidden_size=target.hidden_size,
-        intermediate_size=2 * target.hidden_size, num_heads=4, num_kv_heads=2,
-        head_dim=target.hidden_size // 4, rms_norm_eps=1e-6, vocab_size=target.vocab_size,
+        model_type=kind,
+        layer_type="llama",
+        hidden_size=target.hidden_size,
+        intermediate_size=2 * target.hidden_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=target.hidden_size // 4,
+        rms_norm_eps=1e-6,
+        vocab_size=target.vocab_size,
         draft_vocab_size=draft_vocab or target.vocab_size,
         aux_layer_ids=aux or tuple(sorted({1, max(1, n // 2), n})),
         target_hidden_size=target.hidden_size,
         rope={"rope_type": "default", "rope_theta": 10000.0},
         mask_token_id=0 if kind == "peagle" else None,
         verifier={"name_or_path": None, "architectures": list(target.architectures or [])},
-    )  # fmt: skip
+    )
     kw.update(over)
     return Eagle3Config(**kw)
 

@@ -79,8 +79,14 @@ class Running:
         return self.output()
 
 
-def epd_up(demo_dir: Path, *args: str, env: dict | None = None, ready_s: float = 240,
-           nats_userinfo: str = "", redis_password: str = "") -> Running:  # fmt: skip
+def epd_up(
+    demo_dir: Path,
+    *args: str,
+    env: dict | None = None,
+    ready_s: float = 240,
+    nats_userinfo: str = "",
+    redis_password: str = "",
+) -> Running:
     """Start ``epd up`` on free ports and wait until it says it is up (its own health
     check passed) and REST and gRPC both serve. ``nats_userinfo`` ("user:password" or a
     token) and ``redis_password``: the local servers require them, and every service
@@ -89,14 +95,28 @@ def epd_up(demo_dir: Path, *args: str, env: dict | None = None, ready_s: float =
     nats_url = f"nats://127.0.0.1:{nats_port}"
     nats_auth = f"{nats_userinfo}@" if nats_userinfo else ""
     redis_auth = f":{redis_password}@" if redis_password else ""
-    argv = [sys.executable, "-m", "launch.cli", "up", "--grpc-port", str(grpc_port),
-            "--http-port", str(http_port), "--nats-url", f"nats://{nats_auth}127.0.0.1:{nats_port}",
-            "--redis-url", f"redis://{redis_auth}127.0.0.1:{redis_port}/0", *args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "up",
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--nats-url",
+        f"nats://{nats_auth}127.0.0.1:{nats_port}",
+        "--redis-url",
+        f"redis://{redis_auth}127.0.0.1:{redis_port}/0",
+        *args,
+    ]
     full_env = dict(os.environ, EPD_DEMO_DIR=str(demo_dir), **(env or {}))
-    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    running = Running(proc, http_port, grpc_port, nats_url, demo_dir,
-                      f"redis://127.0.0.1:{redis_port}/0")  # fmt: skip
+    proc = subprocess.Popen(
+        argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    running = Running(
+        proc, http_port, grpc_port, nats_url, demo_dir, f"redis://127.0.0.1:{redis_port}/0"
+    )
     running.start_reading()
     try:
         # `epd up` prints its block only after its own check (gRPC lists every model);

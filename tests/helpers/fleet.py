@@ -56,12 +56,24 @@ class ProcessFleet:
             **self.env,
             **env,
         }
-        argv = [sys.executable, "-m", "launch.cli", "serve", role, "--nats-url",
-                self.nats_url, "--redis-url", self.redis_url, "--instance-id", instance_id]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "serve",
+            role,
+            "--nats-url",
+            self.nats_url,
+            "--redis-url",
+            self.redis_url,
+            "--instance-id",
+            instance_id,
+        ]
         log = self.log_dir / f"{instance_id}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=out,
-                                    stderr=subprocess.STDOUT)  # fmt: skip
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT
+            )
         worker = Worker(role, instance_id, proc, log)
         self.workers.append(worker)
         return worker

@@ -54,8 +54,9 @@ class HeldService(Service):
 
 
 def config(nats_url: str, instance_id: str, grace_s: float) -> ServiceConfig:
-    return ServiceConfig(nats_url=nats_url, instance_id=instance_id, heartbeat_s=0.1,
-                         shutdown_grace_s=grace_s)  # fmt: skip
+    return ServiceConfig(
+        nats_url=nats_url, instance_id=instance_id, heartbeat_s=0.1, shutdown_grace_s=grace_s
+    )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,14 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, pixel_values=Non
     """-> (generated ids, top-5 raw logprobs per step as [(id, logprob)])."""
     kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
     out = model.generate(
-        torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
+        torch.tensor([input_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
         **kwargs,
-    )  # fmt: skip
+    )
     ids = out.sequences[0, len(input_ids) :].tolist()
     top = []
     for step_logits in out.logits:

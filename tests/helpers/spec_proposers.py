@@ -18,8 +18,13 @@ class OracleProposer:
     (the rest are off by one); None: all right. ``aux_layers``: asks for hidden rows.
     """
 
-    def __init__(self, references: list[list[int]], vocab_size: int, right=None,
-                 aux_layers: tuple[int, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        references: list[list[int]],
+        vocab_size: int,
+        right=None,
+        aux_layers: tuple[int, ...] = (),
+    ):
         self.references = references
         self.vocab_size = vocab_size
         self.right = right
@@ -82,8 +87,9 @@ class RecordingProposer:
         for item in batch:
             if item.hidden is not None:
                 first = len(item.token_ids) - 1 - item.hidden.shape[0]
-                self.rows.append((item.request_id, first, item.hidden.clone(),
-                                  list(item.token_ids)))  # fmt: skip
+                self.rows.append(
+                    (item.request_id, first, item.hidden.clone(), list(item.token_ids))
+                )
         return [[] for _ in batch]
 
     def free(self, request_id: str) -> None:

@@ -38,17 +38,58 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _ca(name: str, wd: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=wd)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        cwd=wd,
+    )
 
 
 def _leaf(name: str, ext: str, wd: Path) -> None:
     (wd / f"{name}.ext").write_text(ext)
-    _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=wd)  # fmt: skip
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem",
-             cwd=wd)  # fmt: skip
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=wd,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.pem",
+        cwd=wd,
+    )
 
 
 def make_pki(wd: Path) -> Pki:
@@ -57,11 +98,16 @@ def make_pki(wd: Path) -> Pki:
         pytest.skip("the openssl CLI generates the test certificates; not installed")
     _ca("ca", wd)
     _ca("other", wd)
-    _leaf("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-          "extendedKeyUsage=serverAuth\n", wd)  # fmt: skip
+    _leaf("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n", wd)
     _leaf("client", "extendedKeyUsage=clientAuth\n", wd)
-    return Pki(wd / "ca.pem", wd / "server.pem", wd / "server.key", wd / "client.pem",
-               wd / "client.key", wd / "other.pem")  # fmt: skip
+    return Pki(
+        wd / "ca.pem",
+        wd / "server.pem",
+        wd / "server.key",
+        wd / "client.pem",
+        wd / "client.key",
+        wd / "other.pem",
+    )
 
 
 def server_context(pki: Pki, verify_clients: bool) -> ssl.SSLContext:
@@ -115,12 +161,18 @@ def start_sentinel(master: ServerProcess, service: str, master_password: str) ->
     wd = master.workdir / f"sentinel-{port}"
     wd.mkdir()
     conf = wd / "sentinel.conf"  # sentinel rewrites its own config file: it must own one
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {wd}\n"
-                    f"sentinel monitor {service} 127.0.0.1 {master.port} 1\n"
-                    f'sentinel auth-pass {service} "{master_password}"\n')  # fmt: skip
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {wd}\n"
+        f"sentinel monitor {service} 127.0.0.1 {master.port} 1\n"
+        f'sentinel auth-pass {service} "{master_password}"\n'
+    )
     with open(wd / "sentinel.log", "ab") as log:
-        proc = subprocess.Popen([find_redis_server(), str(conf), "--sentinel"], cwd=wd,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [find_redis_server(), str(conf), "--sentinel"],
+            cwd=wd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     sentinel = ServerProcess("sentinel", "127.0.0.1", port, f"127.0.0.1:{port}", proc, wd)
     deadline = time.monotonic() + 10
     while not _answers_ping(port):

@@ -42,9 +42,18 @@ class Stack:
 
 
 def service_config(nats_url: str, redis_url: str, name: str) -> ServiceConfig:
-    return ServiceConfig(nats_url=nats_url, redis_url=redis_url, instance_id=name, grpc_port=0,
-                         heartbeat_s=0.2, instance_ttl_s=1.0, bus_timeout_s=10.0,
-                         stall_timeout_s=10.0, request_timeout_s=60.0, shutdown_grace_s=2.0)  # fmt: skip
+    return ServiceConfig(
+        nats_url=nats_url,
+        redis_url=redis_url,
+        instance_id=name,
+        grpc_port=0,
+        heartbeat_s=0.2,
+        instance_ttl_s=1.0,
+        bus_timeout_s=10.0,
+        stall_timeout_s=10.0,
+        request_timeout_s=60.0,
+        shutdown_grace_s=2.0,
+    )
 
 
 # The fleet tests compare engine paths: a response-cache hit would make them vacuous, so
@@ -52,18 +61,29 @@ def service_config(nats_url: str, redis_url: str, name: str) -> ServiceConfig:
 NO_CACHE = SemanticCacheConfig(cache_enabled=False)
 
 
-async def start_gateway(engine: EngineConfig, cfg: ServiceConfig, aggregated: bool,
-                        api: GatewayConfig | None = None,
-                        cache: SemanticCacheConfig = NO_CACHE) -> Gateway:  # fmt: skip
-    gw = Gateway(engine, cfg, aggregated=aggregated, api=api or GatewayConfig(http_port=0),
-                 cache=cache)  # fmt: skip
+async def start_gateway(
+    engine: EngineConfig,
+    cfg: ServiceConfig,
+    aggregated: bool,
+    api: GatewayConfig | None = None,
+    cache: SemanticCacheConfig = NO_CACHE,
+) -> Gateway:
+    gw = Gateway(
+        engine, cfg, aggregated=aggregated, api=api or GatewayConfig(http_port=0), cache=cache
+    )
     await gw.start()
     return gw
 
 
-async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str,
-                              num_decode: int = 2, cache: SemanticCacheConfig = NO_CACHE,
-                              lenient: bool = False) -> Stack:  # fmt: skip
+async def start_disaggregated(
+    engine: EngineConfig,
+    nats_url: str,
+    redis_url: str,
+    tag: str,
+    num_decode: int = 2,
+    cache: SemanticCacheConfig = NO_CACHE,
+    lenient: bool = False,
+) -> Stack:
     """``lenient``: the services' default heartbeat (1 s) and instance TTL (3 s) instead
     of 0.2 s / 1 s. Every service here shares the test's one event loop: under heavy
     load (hundreds of streams, a busy shared box) a beat can come more than 1 s late,
@@ -79,8 +99,9 @@ async def start_disaggregated(engine: EngineConfig, nats_url: str, redis_url: st
     stack = Stack(None, encoder, prefill, decodes)
     try:
         await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
-        stack.gateway = gw = await start_gateway(engine, cfg("gateway"), aggregated=False,
-                                                 cache=cache)  # fmt: skip
+        stack.gateway = gw = await start_gateway(
+            engine, cfg("gateway"), aggregated=False, cache=cache
+        )
         await wait_live(gw, num_decode)
     except BaseException:
         await stack.stop()
@@ -103,10 +124,16 @@ async def wait_live(gw: Gateway, num_decode: int, timeout_s: float = 10.0) -> No
     )
 
 
-async def start_aggregated(engine: EngineConfig, nats_url: str, redis_url: str, tag: str,
-                           cache: SemanticCacheConfig = NO_CACHE) -> Stack:  # fmt: skip
-    gw = await start_gateway(engine, service_config(nats_url, redis_url, f"all-{tag}"),
-                             aggregated=True, cache=cache)  # fmt: skip
+async def start_aggregated(
+    engine: EngineConfig,
+    nats_url: str,
+    redis_url: str,
+    tag: str,
+    cache: SemanticCacheConfig = NO_CACHE,
+) -> Stack:
+    gw = await start_gateway(
+        engine, service_config(nats_url, redis_url, f"all-{tag}"), aggregated=True, cache=cache
+    )
     stack = Stack(gw)
     stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
     return stack

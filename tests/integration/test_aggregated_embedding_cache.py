@@ -31,16 +31,21 @@ def preparer(engine_config) -> RequestPreparer:
 
 
 def _prep(preparer: RequestPreparer, image: bytes) -> PreparedRequest:
-    return preparer.prepare(model="", prompt="look <image> now", images=[image],
-                            params={"temperature": 0, "max_tokens": 4})  # fmt: skip
+    return preparer.prepare(
+        model="",
+        prompt="look <image> now",
+        images=[image],
+        params={"temperature": 0, "max_tokens": 4},
+    )
 
 
 async def _tokens(backend: AggregatedBackend, prep: PreparedRequest) -> list[int]:
     return [t async for ev in backend.generate(prep) for t in ev.token_ids]
 
 
-async def test_a_second_server_reads_the_first_ones_embedding(engine_config, preparer,
-                                                              redis_server, redis_client):  # fmt: skip
+async def test_a_second_server_reads_the_first_ones_embedding(
+    engine_config, preparer, redis_server, redis_client
+):
     """Two aggregated servers (fresh LRUs) on one Redis: the second runs no tower pass,
     and the value sits under the fleet's key, in the fleet's format."""
     engine = AsyncEngine(LLMEngine(engine_config))
@@ -63,8 +68,9 @@ async def test_a_second_server_reads_the_first_ones_embedding(engine_config, pre
     assert value == pack_embedding(emb)
 
 
-async def test_a_wrong_value_in_redis_is_encoded_again(engine_config, preparer, redis_server,
-                                                       redis_client):  # fmt: skip
+async def test_a_wrong_value_in_redis_is_encoded_again(
+    engine_config, preparer, redis_server, redis_client
+):
     engine = AsyncEngine(LLMEngine(engine_config))
     backend = AggregatedBackend(engine, store=EmbeddingStoreConfig(url=redis_server.url))
     tower = Tower(backend)

@@ -44,15 +44,19 @@ class Fleet:
     def inflight(self) -> tuple[int, int, int]:
         """(gateway, prefill, decode) requests in flight as the gateway counts them."""
         r = self.router
-        return (self.gw.core.inflight, r.inflight("prefill", self.prefill.instance_id),
-                r.inflight("decode", self.decode.instance_id))  # fmt: skip
+        return (
+            self.gw.core.inflight,
+            r.inflight("prefill", self.prefill.instance_id),
+            r.inflight("decode", self.decode.instance_id),
+        )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(tmp_path_factory, nats_server, redis_server):
     # A long context: the holders below must outlast every refusal the tests make.
-    ckpt = make_text_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama",
-                                max_position_embeddings=8192)  # fmt: skip
+    ckpt = make_text_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), "llama", max_position_embeddings=8192
+    )
     engine = EngineConfig(model=str(ckpt), num_kv_blocks=1024)
 
     def cfg(name: str):
@@ -60,8 +64,12 @@ async def fleet(tmp_path_factory, nats_server, redis_server):
 
     prefill, decode = PrefillService(engine, cfg("prefill")), DecodeService(engine, cfg("decode"))
     await asyncio.gather(prefill.start(), decode.start())
-    gw = await start_gateway(engine, cfg("gateway"), aggregated=False,
-                             api=GatewayConfig(http_port=0, max_inflight_per_instance=LIMIT))  # fmt: skip
+    gw = await start_gateway(
+        engine,
+        cfg("gateway"),
+        aggregated=False,
+        api=GatewayConfig(http_port=0, max_inflight_per_instance=LIMIT),
+    )
     await gw.core.backend.registry.wait_for(gw.core.backend.ready, timeout_s=30)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
     yield Fleet(gw, prefill, decode, channel)
@@ -77,8 +85,12 @@ def request(i: int, max_tokens: int = 8, stop=()) -> pb.GenerateRequest:
 
 
 def chat_body(fleet: Fleet, i: int, **extra) -> dict:
-    return {"model": fleet.model, "messages": [{"role": "user", "content": f"rest {i}"}],
-            "max_tokens": 8, **extra}  # fmt: skip
+    return {
+        "model": fleet.model,
+        "messages": [{"role": "user", "content": f"rest {i}"}],
+        "max_tokens": 8,
+        **extra,
+    }
 
 
 async def grpc_outcome(stub, req) -> str | int:
@@ -128,8 +140,10 @@ async def test_a_full_decode_refuses_over_grpc_and_rest_then_recovers(fleet):
         assert burst == ["RESOURCE_EXHAUSTED"] * 6
         async with httpx.AsyncClient(base_url=fleet.base, timeout=WAIT_S) as http:
             posts = [http.post("/v1/chat/completions", json=chat_body(fleet, i)) for i in range(4)]
-            posts += [http.post("/v1/chat/completions", json=chat_body(fleet, i, stream=True))
-                      for i in range(4, 6)]  # fmt: skip
+            posts += [
+                http.post("/v1/chat/completions", json=chat_body(fleet, i, stream=True))
+                for i in range(4, 6)
+            ]
             answers = await asyncio.gather(*posts)
         for resp in answers:
             assert resp.status_code == 429, resp.text
@@ -181,12 +195,15 @@ async def test_ten_thousand_stop_strings_are_invalid_argument_and_400(fleet):
     assert await grpc_outcome(fleet.stub, request(1, stop=stops)) == "INVALID_ARGUMENT"
     async with httpx.AsyncClient(base_url=fleet.base, timeout=WAIT_S) as http:
         for stream in (False, True):
-            resp = await http.post("/v1/chat/completions",
-                                   json=chat_body(fleet, 1, stop=stops, stream=stream))  # fmt: skip
+            resp = await http.post(
+                "/v1/chat/completions", json=chat_body(fleet, 1, stop=stops, stream=stream)
+            )
             assert resp.status_code == 400, resp.text
             assert resp.json()["error"]["param"] == "stop"
-        resp = await http.post("/v1/completions", json={"model": fleet.model, "prompt": "hi",
-                                                         "max_tokens": 4, "stop": stops})  # fmt: skip
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": fleet.model, "prompt": "hi", "max_tokens": 4, "stop": stops},
+        )
         assert resp.status_code == 400, resp.text
     await settled(fleet)
     assert await grpc_outcome(fleet.stub, request(2, stop=["never-said"])) == 8

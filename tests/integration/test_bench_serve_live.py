@@ -54,8 +54,9 @@ def _app() -> Starlette:
             yield _sse("[DONE]")
 
         cache = "hit-exact" if n % 2 else "miss"
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"x-epd-cache": cache})  # fmt: skip
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"x-epd-cache": cache}
+        )
 
     async def completions(request: Request) -> Response:
         """Token-id prompts only: echoes the prompt length as usage.prompt_tokens."""
@@ -74,8 +75,12 @@ def _app() -> Starlette:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"])])  # fmt: skip
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
 
 
 @contextlib.contextmanager
@@ -105,11 +110,31 @@ def fake_server() -> Iterator[str]:
 @pytest.mark.slow
 def test_bench_serve_measures_the_fake_servers_timings(fake_server, tmp_path, capsys) -> None:
     out = tmp_path / "out.json"
-    args = build_parser().parse_args([
-        "bench", "serve", "--base-url", fake_server, "--model", "fake", "--num-prompts", "12",
-        "--max-concurrency", "4", "--warmup", "4", "--random-input-len", "16", "--random-output-len", "6",
-        "--goodput", "ttft:500", "tpot:200", "--result-json", str(out),
-    ])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            fake_server,
+            "--model",
+            "fake",
+            "--num-prompts",
+            "12",
+            "--max-concurrency",
+            "4",
+            "--warmup",
+            "4",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "6",
+            "--goodput",
+            "ttft:500",
+            "tpot:200",
+            "--result-json",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     doc = json.loads(out.read_text())
     s = doc["summary"]
@@ -131,11 +156,29 @@ def test_bench_serve_measures_the_fake_servers_timings(fake_server, tmp_path, ca
 @pytest.mark.slow
 def test_token_id_prompts_reach_completions_with_their_length(fake_server, tmp_path) -> None:
     out = tmp_path / "ids.json"
-    args = build_parser().parse_args([
-        "bench", "serve", "--base-url", fake_server, "--model", "fake", "--num-prompts", "6",
-        "--max-concurrency", "3", "--random-token-ids", "--random-input-len", "40",
-        "--random-range-ratio", "0.5", "--random-output-len", "4", "--result-json", str(out),
-    ])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            fake_server,
+            "--model",
+            "fake",
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--random-token-ids",
+            "--random-input-len",
+            "40",
+            "--random-range-ratio",
+            "0.5",
+            "--random-output-len",
+            "4",
+            "--result-json",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["endpoint"] == "completions"
@@ -190,8 +233,11 @@ class FakeCache:
             self.answered.add(content)
             yield _sse("[DONE]")
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"x-epd-cache": "hit-exact" if hit else "miss"})  # fmt: skip
+        return StreamingResponse(
+            stream(),
+            media_type="text/event-stream",
+            headers={"x-epd-cache": "hit-exact" if hit else "miss"},
+        )
 
 
 @pytest.fixture
@@ -204,8 +250,19 @@ def fake_cache() -> Iterator[tuple[str, FakeCache]]:
 
 def _run(base_url: str, tmp_path, *flags: str) -> dict:
     out = tmp_path / "run.json"
-    args = build_parser().parse_args(["bench", "serve", "--base-url", base_url, "--model", "fake",
-                                      "--result-json", str(out), *flags])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--model",
+            "fake",
+            "--result-json",
+            str(out),
+            *flags,
+        ]
+    )
     assert args.func(args) == 0
     return json.loads(out.read_text())
 
@@ -213,8 +270,18 @@ def _run(base_url: str, tmp_path, *flags: str) -> dict:
 @pytest.mark.slow
 def test_paraphrase_hits_and_misses_with_the_cache_on_and_bypassed(fake_cache, tmp_path) -> None:
     url, fake = fake_cache
-    flags = ("--dataset", "paraphrase", "--num-prompts", "20", "--max-concurrency", "1",
-             "--random-output-len", "4", "--paraphrase-mix", "repeat:0.5,paraphrase:0.3,negative:0.2")  # fmt: skip
+    flags = (
+        "--dataset",
+        "paraphrase",
+        "--num-prompts",
+        "20",
+        "--max-concurrency",
+        "1",
+        "--random-output-len",
+        "4",
+        "--paraphrase-mix",
+        "repeat:0.5,paraphrase:0.3,negative:0.2",
+    )
     on = _run(url, tmp_path, *flags)["summary"]
     assert len(fake.connections) == 1  # one at a time: every request on one kept-alive connection
     exp = on["expected_cache"]
@@ -237,9 +304,25 @@ def test_paraphrase_hits_and_misses_with_the_cache_on_and_bypassed(fake_cache, t
 @pytest.mark.slow
 def test_random_mm_repeats_are_the_ones_the_server_saw(fake_cache, tmp_path) -> None:
     url, fake = fake_cache
-    doc = _run(url, tmp_path, "--dataset", "random-mm", "--num-prompts", "12", "--max-concurrency", "3",
-               "--random-output-len", "2", "--mm-images-per-request", "1..3",
-               "--image-repeat-ratio", "0.5", "--mm-image-size", "32x32", "48x16")  # fmt: skip
+    doc = _run(
+        url,
+        tmp_path,
+        "--dataset",
+        "random-mm",
+        "--num-prompts",
+        "12",
+        "--max-concurrency",
+        "3",
+        "--random-output-len",
+        "2",
+        "--mm-images-per-request",
+        "1..3",
+        "--image-repeat-ratio",
+        "0.5",
+        "--mm-image-size",
+        "32x32",
+        "48x16",
+    )
     img = doc["summary"]["images"]
     assert img["slots"] == sum(r["images"] for r in doc["requests"]) == fake.image_slots
     # Arrival order under concurrency may swap which copy the server sees first, never how
@@ -251,9 +334,24 @@ def test_random_mm_repeats_are_the_ones_the_server_saw(fake_cache, tmp_path) -> 
 @pytest.mark.slow
 def test_sweep_duration_and_plots_from_the_command_line(fake_cache, tmp_path) -> None:
     url, _ = fake_cache
-    doc = _run(url, tmp_path, "--sweep", "20,inf", "--sweep-concurrency", "1,2", "--duration", "0.5",
-               "--random-input-len", "4", "--random-output-len", "3", "--header", "x-epd-cache:bypass",
-               "--plot", str(tmp_path / "plots"))  # fmt: skip
+    doc = _run(
+        url,
+        tmp_path,
+        "--sweep",
+        "20,inf",
+        "--sweep-concurrency",
+        "1,2",
+        "--duration",
+        "0.5",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "3",
+        "--header",
+        "x-epd-cache:bypass",
+        "--plot",
+        str(tmp_path / "plots"),
+    )
     assert doc["schema"] == "epd-bench-serve/2"
     runs = {(r["request_rate"], r["max_concurrency"]): r["summary"] for r in doc["runs"]}
     assert list(runs) == [(20.0, 1), (20.0, 2), ("inf", 1), ("inf", 2)]

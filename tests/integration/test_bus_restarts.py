@@ -77,8 +77,11 @@ async def restart(server: ServerProcess, start, down_s: float = 0.0) -> ServerPr
 
 def moves() -> dict[str, float]:
     """The gateway's retries and migrations so far, by role and kind."""
-    return {f"{s.labels['role']}/{s.labels['kind']}": s.value
-            for s in MIGRATIONS.collect()[0].samples if s.name.endswith("_total")}  # fmt: skip
+    return {
+        f"{s.labels['role']}/{s.labels['kind']}": s.value
+        for s in MIGRATIONS.collect()[0].samples
+        if s.name.endswith("_total")
+    }
 
 
 async def load_with_restart(stub, reqs, reference, ready, do_restart):
@@ -98,8 +101,10 @@ async def load_with_restart(stub, reqs, reference, ready, do_restart):
         outcomes = await asyncio.gather(*tasks)
     after = moves()
     moved = {k: int(v - before.get(k, 0)) for k, v in after.items() if v != before.get(k, 0)}
-    print(f"tokens per stream at the restart: {at_restart}; done then: {done_at_restart}; "
-          f"requests moved: {moved}")  # fmt: skip
+    print(
+        f"tokens per stream at the restart: {at_restart}; done then: {done_at_restart}; "
+        f"requests moved: {moved}"
+    )
     return tally(outcomes, reference), at_restart, done_at_restart
 
 
@@ -117,16 +122,20 @@ async def test_nats_restart_mid_streams_completes_or_fails_cleanly(tmp_path, red
     def cfg(name: str):
         return service_config(nats.url, redis_server.url, f"{name}-nr")
 
-    services = [PrefillService(engine, cfg("prefill")), DecodeService(engine, cfg("decode0")),
-                DecodeService(engine, cfg("decode1"))]  # fmt: skip
+    services = [
+        PrefillService(engine, cfg("prefill")),
+        DecodeService(engine, cfg("decode0")),
+        DecodeService(engine, cfg("decode1")),
+    ]
     gw = channel = None
     try:
         await asyncio.gather(*(s.start() for s in services))
         gw = await start_gateway(engine, cfg("gateway"), aggregated=False)
         registry = gw.core.backend.registry
         backend = gw.core.backend
-        await registry.wait_for(lambda: backend.ready() and len(backend.router.live("decode")) == 2,
-                                30)  # fmt: skip
+        await registry.wait_for(
+            lambda: backend.ready() and len(backend.router.live("decode")) == 2, 30
+        )
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
         stub = pbg.InferenceStub(channel)
         reqs = [text_request(i, max_tokens=400) for i in range(STREAMS)]
@@ -140,8 +149,9 @@ async def test_nats_restart_mid_streams_completes_or_fails_cleanly(tmp_path, red
         def mid_stream(got) -> bool:
             return all(len(g) >= 20 for g in got)
 
-        counts, _, done_at_restart = await load_with_restart(stub, reqs, reference, mid_stream,
-                                                             bounce)  # fmt: skip
+        counts, _, done_at_restart = await load_with_restart(
+            stub, reqs, reference, mid_stream, bounce
+        )
         print(f"NATS restart mid-stream (down {down_s}s): {dict(counts)}")
         assert set(counts) <= {"ok", "UNAVAILABLE"}, counts
         assert done_at_restart < STREAMS  # not vacuous: the restart hit live streams
@@ -170,8 +180,9 @@ async def test_redis_restart_mid_load_completes_or_fails_cleanly(tmp_path, nats_
     engine = EngineConfig(model="demo", demo_dir=str(tmp_path / "demo"), num_kv_blocks=1024)
     stack = await start_disaggregated(engine, nats_server.url, redis.url, "rr", num_decode=1)
     try:
-        reqs = [(image_request if i % 2 else text_request)(i, max_tokens=120)
-                for i in range(STREAMS)]  # fmt: skip
+        reqs = [
+            (image_request if i % 2 else text_request)(i, max_tokens=120) for i in range(STREAMS)
+        ]
         reference = await asyncio.gather(*(run(stack.stub, r, []) for r in reqs))
         assert all(isinstance(r, list) and len(r) == 120 for r in reference), reference
         await asyncio.to_thread(_flush, redis)  # the load encodes every image again
@@ -183,8 +194,9 @@ async def test_redis_restart_mid_load_completes_or_fails_cleanly(tmp_path, nats_
         def first_token(got) -> bool:
             return any(got)
 
-        counts, at_restart, _ = await load_with_restart(stack.stub, reqs, reference, first_token,
-                                                        bounce)  # fmt: skip
+        counts, at_restart, _ = await load_with_restart(
+            stack.stub, reqs, reference, first_token, bounce
+        )
         print(f"Redis restart mid-load: {dict(counts)}")
         assert set(counts) <= {"ok", "UNAVAILABLE"}, counts
         # Not vacuous: image requests were still before their first token (encode or
@@ -224,8 +236,11 @@ async def test_an_embedding_lost_before_prefill_reads_it_is_encoded_again(
     def cfg(name: str, redis_url: str = redis_server.url):
         return service_config(nats_server.url, redis_url, f"{name}-lost")
 
-    services = [EncoderService(engine, cfg("encoder")), DecodeService(engine, cfg("decode")),
-                PrefillService(engine, cfg("prefill", empty.url))]  # fmt: skip
+    services = [
+        EncoderService(engine, cfg("encoder")),
+        DecodeService(engine, cfg("decode")),
+        PrefillService(engine, cfg("prefill", empty.url)),
+    ]
     gw = channel = None
     try:
         await asyncio.gather(*(s.start() for s in services))

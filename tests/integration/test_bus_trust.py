@@ -53,16 +53,21 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory) -> EngineConfig:
-    return EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), block_size=16,
-                        num_kv_blocks=256)  # fmt: skip
+    return EngineConfig(
+        model="demo",
+        demo_dir=str(tmp_path_factory.mktemp("demo")),
+        block_size=16,
+        num_kv_blocks=256,
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(engine_config, nats_server, redis_server):
     # Default heartbeat and TTL: a late beat under load must not move the streams that
     # these tests compare token by token (start_disaggregated's ``lenient``).
-    s = await start_disaggregated(engine_config, nats_server.url, redis_server.url, "trust",
-                                  num_decode=1, lenient=True)  # fmt: skip
+    s = await start_disaggregated(
+        engine_config, nats_server.url, redis_server.url, "trust", num_decode=1, lenient=True
+    )
     yield s
     await s.stop()
 
@@ -114,8 +119,9 @@ async def eventually(predicate, what, timeout_s: float = 10.0) -> None:
 
 async def all_started(got: list[list[int]], n: int) -> None:
     """Every stream has ``n`` tokens (token 1 is prefill's; from 2 on decode holds it)."""
-    await eventually(lambda: all(len(g) >= n for g in got), f"streams never reached {n} tokens",
-                     WAIT_S)  # fmt: skip
+    await eventually(
+        lambda: all(len(g) >= n for g in got), f"streams never reached {n} tokens", WAIT_S
+    )
 
 
 # ------------------------------------------------------------------- (a) KV transfers
@@ -135,12 +141,18 @@ def _kv_case(decode, case: str, num_tokens: int):
         kv = torch.zeros(2, layers, blocks, bs, heads, dim + 1, dtype=good.dtype)
     else:
         kv = good
-    layout = bus_pb2.KvLayout(num_layers=kv.shape[1], num_kv_heads=kv.shape[4],
-                              head_dim=kv.shape[5], block_size=kv.shape[3],
-                              dtype=dtype_name(kv.dtype), shape=list(kv.shape))  # fmt: skip
+    layout = bus_pb2.KvLayout(
+        num_layers=kv.shape[1],
+        num_kv_heads=kv.shape[4],
+        head_dim=kv.shape[5],
+        block_size=kv.shape[3],
+        dtype=dtype_name(kv.dtype),
+        shape=list(kv.shape),
+    )
     payload = kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-    header = bus_pb2.KvHeader(request_id=f"forged-{case}", num_tokens=num_tokens, layout=layout,
-                              total_bytes=len(payload))  # fmt: skip
+    header = bus_pb2.KvHeader(
+        request_id=f"forged-{case}", num_tokens=num_tokens, layout=layout, total_bytes=len(payload)
+    )
     if case == "bytes":  # the header promises the shape; the payload is one element short
         payload = payload[: -good.element_size()]
     elif case == "other_request":
@@ -155,18 +167,33 @@ async def _forge_transfer(peer: Bus, decode, case: str, token_id: int) -> bus_pb
     num_tokens = 40
     rid, tid = f"forged-{case}", f"forged-{case}-{uuid.uuid4().hex[:8]}"
     dreq = bus_pb2.DecodeRequest(
-        request_id=rid, gateway_id="forger", token_ids=[token_id] * num_tokens,
-        num_prompt_tokens=num_tokens, first_token_id=token_id,
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=8), kv_transfer_id=tid,
+        request_id=rid,
+        gateway_id="forger",
+        token_ids=[token_id] * num_tokens,
+        num_prompt_tokens=num_tokens,
+        first_token_id=token_id,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=8),
+        kv_transfer_id=tid,
         deadline_unix_ms=int((time.time() + 30) * 1000),
-    )  # fmt: skip
+    )
     header, payload = _kv_case(decode, case, num_tokens)
-    adopt = asyncio.create_task(peer.request(subjects.decode(decode.model_fingerprint,
-                                                             decode.instance_id), dreq,
-                                             bus_pb2.DecodeReply, 30))  # fmt: skip
+    adopt = asyncio.create_task(
+        peer.request(
+            subjects.decode(decode.model_fingerprint, decode.instance_id),
+            dreq,
+            bus_pb2.DecodeReply,
+            30,
+        )
+    )
     # The receiver takes the whole payload before it validates it: the send completes.
-    await send_chunked(peer, subjects.kv(decode.instance_id), encode(header), payload,
-                       timeout_s=30, transfer_id=tid)  # fmt: skip
+    await send_chunked(
+        peer,
+        subjects.kv(decode.instance_id),
+        encode(header),
+        payload,
+        timeout_s=30,
+        transfer_id=tid,
+    )
     return await asyncio.wait_for(adopt, WAIT_S)
 
 
@@ -207,13 +234,24 @@ async def test_kv_sender_with_a_foreign_dtype_is_refused(stack, peer):
     foreign = torch.bfloat16 if dtype != "bfloat16" else torch.float16
     kv = torch.ones(2, layers, 2, bs, heads, dim, dtype=foreign)
     rid, tid = "forged-sender", f"forged-sender-{uuid.uuid4().hex[:8]}"
-    dreq = bus_pb2.DecodeRequest(request_id=rid, gateway_id="forger", token_ids=[5] * 20,
-                                 num_prompt_tokens=20, first_token_id=5, kv_transfer_id=tid,
-                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=4),
-                                 deadline_unix_ms=int((time.time() + 30) * 1000))  # fmt: skip
-    adopt = asyncio.create_task(peer.request(subjects.decode(decode.model_fingerprint,
-                                                             decode.instance_id), dreq,
-                                             bus_pb2.DecodeReply, 30))  # fmt: skip
+    dreq = bus_pb2.DecodeRequest(
+        request_id=rid,
+        gateway_id="forger",
+        token_ids=[5] * 20,
+        num_prompt_tokens=20,
+        first_token_id=5,
+        kv_transfer_id=tid,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=4),
+        deadline_unix_ms=int((time.time() + 30) * 1000),
+    )
+    adopt = asyncio.create_task(
+        peer.request(
+            subjects.decode(decode.model_fingerprint, decode.instance_id),
+            dreq,
+            bus_pb2.DecodeReply,
+            30,
+        )
+    )
     await NatsKVSender(peer).send(decode.instance_id, tid, rid, kv, 20, 30)
     reply = await asyncio.wait_for(adopt, WAIT_S)
     assert reply.error.code == INVALID and "layout" in reply.error.message
@@ -244,8 +282,9 @@ async def test_forged_token_batches_change_nothing_in_the_stream(stack, peer):
     before = DROPPED_UPDATES._value.get()
 
     def batch(sender: str, offset: int, tokens=(7, 7, 7), finish=pb.FINISH_REASON_UNSPECIFIED):
-        upd = bus_pb2.TokenUpdate(request_id=arid, token_ids=list(tokens), offset=offset,
-                                  finish_reason=finish)  # fmt: skip
+        upd = bus_pb2.TokenUpdate(
+            request_id=arid, token_ids=list(tokens), offset=offset, finish_reason=finish
+        )
         return bus_pb2.TokenBatch(instance_id=sender, updates=[upd])
 
     here = len(got)
@@ -271,9 +310,13 @@ async def test_forged_token_batches_change_nothing_in_the_stream(stack, peer):
     # Refused at the door: intruder, the look-alike, both prefill forgeries (prefill is
     # done once decode speaks) and the sentinel; decode's replays pass the door and the
     # orderer drops them as duplicates, the one far past the end waits there unused.
-    await eventually(lambda: DROPPED_UPDATES._value.get() - before >= 5,
-                     lambda: f"refusals counted: {DROPPED_UPDATES._value.get() - before} of 5; "
-                             f"routes now: {gw.core.backend.routes}")  # fmt: skip
+    await eventually(
+        lambda: DROPPED_UPDATES._value.get() - before >= 5,
+        lambda: (
+            f"refusals counted: {DROPPED_UPDATES._value.get() - before} of 5; "
+            f"routes now: {gw.core.backend.routes}"
+        ),
+    )
     assert DROPPED_UPDATES._value.get() - before == 5
     assert not stream.done(), "the stream ended before the forgeries arrived: vacuous"
     async with asyncio.timeout(WAIT_S):
@@ -290,8 +333,9 @@ async def test_a_forged_prefill_error_after_the_hand_off_changes_nothing(stack, 
     await all_started([got], 20)
     arid, route = await _live_route(gw)
     assert route.decode_spoke
-    upd = bus_pb2.TokenUpdate(request_id=arid, offset=len(got) + 5,
-                              finish_reason=pb.FINISH_REASON_ERROR)  # fmt: skip
+    upd = bus_pb2.TokenUpdate(
+        request_id=arid, offset=len(got) + 5, finish_reason=pb.FINISH_REASON_ERROR
+    )
     upd.error.CopyFrom(bus_pb2.Error(code=INVALID, message="forged"))
     await peer.publish(out, bus_pb2.TokenBatch(instance_id=route.prefill_id, updates=[upd]))
     async with asyncio.timeout(WAIT_S):
@@ -311,8 +355,10 @@ async def test_a_bad_cached_embedding_fails_only_its_own_request(stack, redis_se
     store = await _store(redis_server.url)
     try:
         good_img = png(501)
-        good = [chat("what is in the picture", [good_img], max_tokens=120),
-                chat("no picture at all, just talk", max_tokens=120)]  # fmt: skip
+        good = [
+            chat("what is in the picture", [good_img], max_tokens=120),
+            chat("no picture at all, just talk", max_tokens=120),
+        ]
         reference = [await collect(stack.stub, r) for r in good]
         emb = await store.get(fp, image_hash(good_img, fp))
         assert emb is not None and emb.dim() == 2
@@ -346,10 +392,16 @@ async def test_a_bad_pushed_embedding_fails_only_its_own_prefill_request(stack, 
     an embedding pushed to the prefill's blob inbox."""
     gw, prefill = stack.gateway, stack.prefill
     image = png(601)
-    prep = await gw.core.prepare(model="", params={"temperature": 0.0, "max_tokens": 4},
-                                 messages=[{"role": "user", "content": [
-                                     {"type": "image", "image": image},
-                                     {"type": "text", "text": "look"}]}])  # fmt: skip
+    prep = await gw.core.prepare(
+        model="",
+        params={"temperature": 0.0, "max_tokens": 4},
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": image}, {"type": "text", "text": "look"}],
+            }
+        ],
+    )
     (span,) = prep.spans
     hidden = prefill.engine.engine.loaded.text_config.hidden_size
     payloads = {
@@ -366,15 +418,21 @@ async def test_a_bad_pushed_embedding_fails_only_its_own_prefill_request(stack, 
         (pspan,) = spans_to_proto(prep.spans, {})
         pspan.embedding_ref.CopyFrom(ref)
         req = bus_pb2.PrefillRequest(
-            request_id=f"forged-prefill-{case}", gateway_id="forger",
+            request_id=f"forged-prefill-{case}",
+            gateway_id="forger",
             decode_instance_id=stack.decodes[0].instance_id,
-            prompt_token_ids=prep.prompt_token_ids, image_spans=[pspan],
+            prompt_token_ids=prep.prompt_token_ids,
+            image_spans=[pspan],
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=4),
-            deadline_unix_ms=int((time.time() + 30) * 1000), max_model_len=gw.core.info.max_model_len,
-        )  # fmt: skip
-        return await peer.request(subjects.prefill(prefill.model_fingerprint,
-                                                   prefill.instance_id), req,
-                                  bus_pb2.PrefillReply, 30)  # fmt: skip
+            deadline_unix_ms=int((time.time() + 30) * 1000),
+            max_model_len=gw.core.info.max_model_len,
+        )
+        return await peer.request(
+            subjects.prefill(prefill.model_fingerprint, prefill.instance_id),
+            req,
+            bus_pb2.PrefillReply,
+            30,
+        )
 
     async with asyncio.timeout(WAIT_S):
         replies = await asyncio.gather(*(forged(c, d) for c, d in payloads.items()))

@@ -26,12 +26,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 async def fleet(tmp_path_factory, nats_server):
     redis = start_redis()
     on = SemanticCacheConfig(cache_lookup_timeout_ms=500, cache_exact_timeout_ms=500)
-    engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                          num_kv_blocks=256)  # fmt: skip
+    engine = EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=256
+    )
     cache = CacheService(service_config(nats_server.url, redis.url, "cache-f"), on)
     await cache.start()
-    stack = await start_disaggregated(engine, nats_server.url, redis.url, "cf", num_decode=1,
-                                      cache=on)  # fmt: skip
+    stack = await start_disaggregated(
+        engine, nats_server.url, redis.url, "cf", num_decode=1, cache=on
+    )
     yield stack, cache, redis
     await stack.stop()
     await cache.stop()
@@ -42,8 +44,15 @@ def image_message(seed: int) -> list[dict]:
     buf = io.BytesIO()
     random_image(seed).save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "what is it?"}]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what is it?"},
+            ],
+        }
+    ]
 
 
 async def ask(client, messages):
@@ -55,8 +64,9 @@ async def ask(client, messages):
 
 async def test_requests_survive_the_cache_and_redis_going_away(fleet):
     stack, cache, redis = fleet
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{stack.gateway.http_port}/v1",
-                                api_key="none", max_retries=0)  # fmt: skip
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{stack.gateway.http_port}/v1", api_key="none", max_retries=0
+    )
     text = [{"role": "user", "content": "Name a color of the rainbow."}]
     status, answer = await ask(client, text)
     assert status == "miss" and answer

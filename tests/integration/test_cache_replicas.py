@@ -40,8 +40,10 @@ async def replicas(nats_server, redis_server):
     await client.flushdb()
     await client.aclose()
     config = SemanticCacheConfig(cache_lookup_timeout_ms=5000)
-    services = [CacheService(service_config(nats_server.url, redis_server.url, name), config)
-                for name in ("cache-r1", "cache-r2")]  # fmt: skip
+    services = [
+        CacheService(service_config(nats_server.url, redis_server.url, name), config)
+        for name in ("cache-r1", "cache-r2")
+    ]
     for s in services:
         await s.start()
     counters = {}
@@ -56,8 +58,13 @@ async def replicas(nats_server, redis_server):
 
 
 def _query(text: str, exact_only: bool) -> bus_pb2.CacheQuery:
-    return bus_pb2.CacheQuery(fingerprint="f" * 64, exact_key=hashlib.sha256(text.encode()).hexdigest(),
-                              text=text, max_tokens=16, exact_only=exact_only)  # fmt: skip
+    return bus_pb2.CacheQuery(
+        fingerprint="f" * 64,
+        exact_key=hashlib.sha256(text.encode()).hexdigest(),
+        text=text,
+        max_tokens=16,
+        exact_only=exact_only,
+    )
 
 
 async def _stored(services, client: BusCacheClient, text: str) -> None:
@@ -97,6 +104,7 @@ async def test_the_full_lookup_reuses_the_exact_misses_embedding(replicas):
 async def test_a_replica_that_is_gone_is_replaced_by_any_other(replicas):
     services, _, client = replicas
     await _stored(services, client, "Who wrote Hamlet?")
-    full = await client.lookup(_query("Who is the author of Hamlet?", False), 5.0,
-                               replica="cache-gone")  # fmt: skip
+    full = await client.lookup(
+        _query("Who is the author of Hamlet?", False), 5.0, replica="cache-gone"
+    )
     assert full.hit and full.tier == "semantic"

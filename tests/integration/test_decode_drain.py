@@ -27,11 +27,27 @@ STREAMS, MAX_TOKENS = 8, 400
 
 
 def _spawn_decode(engine: EngineConfig, nats_url: str, redis_url: str, iid: str, log: Path):
-    env = dict(os.environ, EPD_MODEL="demo", EPD_DEMO_DIR=engine.demo_dir,
-               EPD_NUM_KV_BLOCKS=str(engine.num_kv_blocks), EPD_HEARTBEAT_S="0.2",
-               EPD_SHUTDOWN_GRACE_S="60")  # fmt: skip
-    argv = [sys.executable, "-m", "launch.cli", "serve", "decode", "--nats-url", nats_url,
-            "--redis-url", redis_url, "--instance-id", iid]  # fmt: skip
+    env = dict(
+        os.environ,
+        EPD_MODEL="demo",
+        EPD_DEMO_DIR=engine.demo_dir,
+        EPD_NUM_KV_BLOCKS=str(engine.num_kv_blocks),
+        EPD_HEARTBEAT_S="0.2",
+        EPD_SHUTDOWN_GRACE_S="60",
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "serve",
+        "decode",
+        "--nats-url",
+        nats_url,
+        "--redis-url",
+        redis_url,
+        "--instance-id",
+        iid,
+    ]
     with open(log, "wb") as out:
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -76,8 +92,10 @@ async def test_sigterm_mid_streams_lets_all_streams_finish(tmp_path, nats_server
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
         stub = pbg.InferenceStub(channel)
         counts, started, n_started = [0] * STREAMS, asyncio.Event(), [0]
-        streams = [asyncio.create_task(_stream(stub, i, counts, started, n_started))
-                   for i in range(STREAMS)]  # fmt: skip
+        streams = [
+            asyncio.create_task(_stream(stub, i, counts, started, n_started))
+            for i in range(STREAMS)
+        ]
         await asyncio.wait_for(started.wait(), timeout=120)
         at_signal = list(counts)
         proc.send_signal(signal.SIGTERM)

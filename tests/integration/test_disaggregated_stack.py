@@ -35,8 +35,12 @@ def png(seed: int, size=(48, 40)) -> bytes:
 
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory) -> EngineConfig:
-    return EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), block_size=16,
-                        num_kv_blocks=256)  # fmt: skip
+    return EngineConfig(
+        model="demo",
+        demo_dir=str(tmp_path_factory.mktemp("demo")),
+        block_size=16,
+        num_kv_blocks=256,
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -68,8 +72,10 @@ async def collect(stub, req) -> tuple[list[int], str, int]:
 
 async def test_disaggregated_equals_aggregated_under_16_streams(stacks):
     disagg, agg = stacks
-    reqs = [chat_request(f"question number {i} about the picture", [png(100 + j) for j in range(i % 4)])
-            for i in range(16)]  # fmt: skip
+    reqs = [
+        chat_request(f"question number {i} about the picture", [png(100 + j) for j in range(i % 4)])
+        for i in range(16)
+    ]
     before = [d.adopted for d in disagg.decodes]
     ours = await asyncio.gather(*(collect(disagg.stub, r) for r in reqs))
     ref = await asyncio.gather(*(collect(agg.stub, r) for r in reqs))
@@ -271,8 +277,13 @@ async def test_a_rest_client_that_disconnects_aborts_on_every_service(stacks):
     disagg, _ = stacks
     engines = [disagg.prefill.engine, *(d.engine for d in disagg.decodes)]
     free0 = {id(e): e.engine.block_manager.num_free_blocks for e in engines}
-    body = {"model": "demo", "messages": [{"role": "user", "content": "a long story"}],
-            "max_tokens": 1500, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
     base = f"http://127.0.0.1:{disagg.gateway.http_port}"
     async with (
         httpx.AsyncClient(base_url=base, timeout=30) as http,
@@ -293,14 +304,19 @@ async def test_a_rest_client_that_disconnects_aborts_on_every_service(stacks):
     assert await _quiescent(disagg, free0)
 
 
-async def test_short_text_prompts_prefill_on_the_decode_instance(stacks, engine_config,
-                                                                 nats_server, redis_server):  # fmt: skip
+async def test_short_text_prompts_prefill_on_the_decode_instance(
+    stacks, engine_config, nats_server, redis_server
+):
     """Conditional disaggregation: same tokens, no KV transfer, no hand-off; image
     prompts still go through prefill."""
     disagg, agg = stacks
     cfg = service_config(nats_server.url, redis_server.url, "gateway-local-t1")
-    gw = await start_gateway(engine_config, cfg, aggregated=False,
-                             api=GatewayConfig(http_port=0, max_local_prefill_tokens=512))  # fmt: skip
+    gw = await start_gateway(
+        engine_config,
+        cfg,
+        aggregated=False,
+        api=GatewayConfig(http_port=0, max_local_prefill_tokens=512),
+    )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
     try:
         stub = pbg.InferenceStub(channel)
@@ -327,7 +343,7 @@ async def test_short_text_prompts_prefill_on_the_decode_instance(stacks, engine_
         {"stop": ["x" * 10_000]},
         {"n": 10_000},
         {"logprobs": 10_000},
-    ],  # fmt: skip
+    ],
     ids=["stop strings", "stop token ids", "stop length", "n", "logprobs"],
 )
 async def test_unbounded_fields_are_refused_and_the_gateway_keeps_serving(stacks, field):

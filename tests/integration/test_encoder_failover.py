@@ -27,8 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 def _request(seed: int) -> pb.GenerateRequest:
     buf = io.BytesIO()
     random_image(seed, (64, 64)).save(buf, format="PNG")
-    msg = pb.ChatMessage(role="user", parts=[pb.ContentPart(image=buf.getvalue()),
-                                             pb.ContentPart(text="what is this?")])  # fmt: skip
+    msg = pb.ChatMessage(
+        role="user",
+        parts=[pb.ContentPart(image=buf.getvalue()), pb.ContentPart(text="what is this?")],
+    )
     sp = pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     return pb.GenerateRequest(chat=pb.Chat(messages=[msg]), sampling=sp)
 
@@ -36,17 +38,25 @@ def _request(seed: int) -> pb.GenerateRequest:
 async def test_an_encoder_killed_mid_encode_is_replaced(tmp_path, nats_server, redis_server):
     demo = str(tmp_path / "demo")
     engine = EngineConfig(model="demo", demo_dir=demo)
-    fleet = ProcessFleet("demo", nats_server.url, redis_server.url, tmp_path,
-                         {"EPD_DEMO_DIR": demo, "EPD_NUM_KV_BLOCKS": "256"})  # fmt: skip
+    fleet = ProcessFleet(
+        "demo",
+        nats_server.url,
+        redis_server.url,
+        tmp_path,
+        {"EPD_DEMO_DIR": demo, "EPD_NUM_KV_BLOCKS": "256"},
+    )
     gw = channel = None
     try:
         await asyncio.to_thread(ModelInfo.load, engine)  # the demo checkpoint, before the children
         encoders = [fleet.spawn("encoder", f"e{i}") for i in range(2)]  # the CLI role name
         fleet.spawn(subjects.ROLE_PREFILL, "p0")
         fleet.spawn(subjects.ROLE_DECODE, "d0")
-        gw = await start_gateway(engine, service_config(nats_server.url, redis_server.url, "gw-e"),
-                                 aggregated=False,
-                                 api=GatewayConfig(http_port=0, router_policy="round_robin"))  # fmt: skip
+        gw = await start_gateway(
+            engine,
+            service_config(nats_server.url, redis_server.url, "gw-e"),
+            aggregated=False,
+            api=GatewayConfig(http_port=0, router_policy="round_robin"),
+        )
         backend = gw.core.backend
         try:
             await backend.registry.wait_for(
@@ -59,8 +69,9 @@ async def test_an_encoder_killed_mid_encode_is_replaced(tmp_path, nats_server, r
         reference = list((await stub.GenerateOnce(_request(1), timeout=60)).token_ids)
         await _flush_embeddings(redis_server.url)  # the image must be encoded again
         before = MIGRATIONS.labels("encode", "retry")._value.get()
-        call = await kill_the_holder(encoders, subjects.ROLE_ENCODE, gw,
-                                     lambda: stub.GenerateOnce(_request(1), timeout=60))  # fmt: skip
+        call = await kill_the_holder(
+            encoders, subjects.ROLE_ENCODE, gw, lambda: stub.GenerateOnce(_request(1), timeout=60)
+        )
         assert list((await call).token_ids) == reference
         assert MIGRATIONS.labels("encode", "retry")._value.get() - before == 1
     finally:

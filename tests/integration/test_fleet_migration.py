@@ -44,8 +44,12 @@ async def gateway_factory(fleet, nats_server, redis_server):
     async def start(policy: str, **api):
         engine = EngineConfig(model=fleet.model)
         cfg = service_config(nats_server.url, redis_server.url, f"gw-{len(gateways)}")
-        gw = await start_gateway(engine, cfg, aggregated=False,
-                                 api=GatewayConfig(http_port=0, router_policy=policy, **api))  # fmt: skip
+        gw = await start_gateway(
+            engine,
+            cfg,
+            aggregated=False,
+            api=GatewayConfig(http_port=0, router_policy=policy, **api),
+        )
         gateways.append(gw)
         await _wait_for_workers(gw, fleet)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
@@ -168,7 +172,8 @@ async def test_kill9_of_a_prefill_holding_a_request_is_retried(gateway_factory, 
     reference = (await _reference(stub, [req]))[0]
     prefills = [w for w in fleet.workers if w.role == "prefill" and w.proc.poll() is None]
     before = MIGRATIONS.labels("prefill", "retry")._value.get()
-    call = await kill_the_holder(prefills, subjects.ROLE_PREFILL, gw,
-                                 lambda: stub.GenerateOnce(req, timeout=120))  # fmt: skip
+    call = await kill_the_holder(
+        prefills, subjects.ROLE_PREFILL, gw, lambda: stub.GenerateOnce(req, timeout=120)
+    )
     assert list((await call).token_ids) == reference
     assert MIGRATIONS.labels("prefill", "retry")._value.get() - before == 1

@@ -27,8 +27,9 @@ def _request() -> pb.GenerateRequest:
 async def test_open_stream_finishes_while_the_gateway_stops(tmp_path, nats_server, redis_server):
     engine = EngineConfig(model="demo", demo_dir=str(tmp_path / "demo"), num_kv_blocks=128)
     cfg = service_config(nats_server.url, redis_server.url, "all-drain")
-    gw = await start_gateway(engine, dataclasses.replace(cfg, shutdown_grace_s=60.0),
-                             aggregated=True)  # fmt: skip
+    gw = await start_gateway(
+        engine, dataclasses.replace(cfg, shutdown_grace_s=60.0), aggregated=True
+    )
     stack = Stack(gw, channel=grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}"))
     stopping = None
     try:

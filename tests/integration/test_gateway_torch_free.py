@@ -45,8 +45,13 @@ def test_a_fleet_gateway_imports_no_torch(nats_server, tmp_path_factory):
 
     demo_root = tmp_path_factory.mktemp("demo")
     demo = ensure_demo_model(demo_root)  # generating it needs torch: not in the gateway
-    out = subprocess.run([sys.executable, "-c", SCRIPT, nats_server.url, str(demo_root)],
-                         capture_output=True, text=True, timeout=120, cwd=".")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, nats_server.url, str(demo_root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=".",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 

@@ -35,22 +35,30 @@ async def test_a_full_decode_refuses_and_the_request_moves(tmp_path, nats_server
     roomy = EngineConfig(model=str(ckpt), num_kv_blocks=256)
     tight = dataclasses.replace(roomy, num_kv_blocks=6)  # < the prompt's blocks
     cfg = lambda name: service_config(nats_server.url, redis_server.url, name)  # noqa: E731
-    services = [PrefillService(roomy, cfg("p-kv")), DecodeService(tight, cfg("d-tight")),
-                DecodeService(roomy, cfg("d-roomy"))]  # fmt: skip
+    services = [
+        PrefillService(roomy, cfg("p-kv")),
+        DecodeService(tight, cfg("d-tight")),
+        DecodeService(roomy, cfg("d-roomy")),
+    ]
     gw = channel = None
     try:
         for s in services:
             await s.start()
-        gw = await start_gateway(roomy, cfg("gw-kv"), aggregated=False,
-                                 api=GatewayConfig(http_port=0, router_policy="round_robin"))  # fmt: skip
+        gw = await start_gateway(
+            roomy,
+            cfg("gw-kv"),
+            aggregated=False,
+            api=GatewayConfig(http_port=0, router_policy="round_robin"),
+        )
         await gw.core.backend.registry.wait_for(
             lambda: len(gw.core.backend.router.live("decode")) == 2, timeout_s=10
         )
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}")
         stub = pbg.InferenceStub(channel)
         before = MIGRATIONS.labels("decode", "migration")._value.get()
-        outs = [list((await stub.GenerateOnce(_request(i), timeout=60)).token_ids)
-                for i in range(4)]  # fmt: skip
+        outs = [
+            list((await stub.GenerateOnce(_request(i), timeout=60)).token_ids) for i in range(4)
+        ]
         assert all(len(o) == 12 for o in outs)
         # Round robin sent some to the tight one; each was refused and moved once.
         assert MIGRATIONS.labels("decode", "migration")._value.get() - before >= 1

@@ -47,10 +47,12 @@ def big_png() -> bytes:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stacks(tmp_path_factory, nats_server, redis_server):
     assert nats_server.url  # the default server: max_payload 1 MiB
-    engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                          num_kv_blocks=128)  # fmt: skip
-    disagg = await start_disaggregated(engine, nats_server.url, redis_server.url, "big",
-                                       num_decode=1)  # fmt: skip
+    engine = EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=128
+    )
+    disagg = await start_disaggregated(
+        engine, nats_server.url, redis_server.url, "big", num_decode=1
+    )
     agg = await start_aggregated(engine, nats_server.url, redis_server.url, "big")
     yield disagg, agg
     await disagg.stop()
@@ -82,9 +84,14 @@ async def test_a_12_megapixel_jpeg_and_small_images_in_one_request(stacks):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def redis_down_stack(tmp_path_factory, nats_server):
     # 1024 image tokens x hidden 384 in fp32: 1.5 MiB per embedding, over max_payload.
-    ckpt = make_llava_checkpoint(tmp_path_factory.mktemp("wide"), image_size=128, patch_size=4,
-                                 hidden_size=384, max_position_embeddings=2048,
-                                 nested_processor=True)  # fmt: skip
+    ckpt = make_llava_checkpoint(
+        tmp_path_factory.mktemp("wide"),
+        image_size=128,
+        patch_size=4,
+        hidden_size=384,
+        max_position_embeddings=2048,
+        nested_processor=True,
+    )
     engine = EngineConfig(model=str(ckpt), num_kv_blocks=512)
     dead = f"redis://127.0.0.1:{free_port()}/0"
     disagg = await start_disaggregated(engine, nats_server.url, dead, "wide", num_decode=1)

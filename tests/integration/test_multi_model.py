@@ -90,13 +90,15 @@ def reference(checkpoints) -> dict[str, list[list[int]]]:
 async def fleet(checkpoints, nats_server, redis_server, tmp_path_factory):
     llama, qwen = checkpoints
     env = text_fleet_env(qwen, num_kv_blocks=128)
-    procs = ProcessFleet(qwen, nats_server.url, redis_server.url, tmp_path_factory.mktemp("logs"),
-                         env)  # fmt: skip
+    procs = ProcessFleet(
+        qwen, nats_server.url, redis_server.url, tmp_path_factory.mktemp("logs"), env
+    )
     f = MultiModelFleet(llama, qwen, procs)
     f.qwen_metrics = free_port()
     procs.spawn(subjects.ROLE_PREFILL, "mm-qwen-prefill")
-    f.qwen_decode = procs.spawn(subjects.ROLE_DECODE, "mm-qwen-decode",
-                                EPD_METRICS_PORT=str(f.qwen_metrics))  # fmt: skip
+    f.qwen_decode = procs.spawn(
+        subjects.ROLE_DECODE, "mm-qwen-decode", EPD_METRICS_PORT=str(f.qwen_metrics)
+    )
     engine = EngineConfig(model=llama, num_kv_blocks=128)
 
     def cfg(name: str) -> ServiceConfig:
@@ -105,14 +107,21 @@ async def fleet(checkpoints, nats_server, redis_server, tmp_path_factory):
         c = service_config(nats_server.url, redis_server.url, name)
         return dataclasses.replace(c, heartbeat_s=1.0, instance_ttl_s=3.0)
 
-    f.llama_services = [PrefillService(engine, cfg("mm-llama-prefill")),
-                        DecodeService(engine, cfg("mm-llama-decode"))]  # fmt: skip
+    f.llama_services = [
+        PrefillService(engine, cfg("mm-llama-prefill")),
+        DecodeService(engine, cfg("mm-llama-decode")),
+    ]
     try:
         for svc in f.llama_services:
             await svc.start()
-        f.gateway = Gateway(engine, cfg("mm-gateway"), aggregated=False,
-                            api=GatewayConfig(http_port=0), cache=NO_CACHE,
-                            models=[llama, qwen])  # fmt: skip
+        f.gateway = Gateway(
+            engine,
+            cfg("mm-gateway"),
+            aggregated=False,
+            api=GatewayConfig(http_port=0),
+            cache=NO_CACHE,
+            models=[llama, qwen],
+        )
         await f.gateway.start()
         models = f.gateway.models
         try:
@@ -173,8 +182,10 @@ async def test_models_are_listed_over_rest_and_grpc(fleet: MultiModelFleet):
         state = (await client.get("/dashboard/api/state")).json()
         models = {(r["role"], r["model"]) for r in state["instances"] if r["role"] != "gateway"}
         assert models == {(role, m) for role in ("prefill", "decode") for m in _names(fleet)}
-        unknown = await client.post("/v1/chat/completions", json={
-            "model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        unknown = await client.post(
+            "/v1/chat/completions",
+            json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert unknown.status_code == 404
         assert unknown.json()["error"]["code"] == "model_not_found"
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -42,10 +42,18 @@ async def fleet(tmp_path_factory, nats_server, redis_server):
     services = [CacheService(cfg("cache"), ON)]
     for i, path in enumerate(paths):
         engine = EngineConfig(model=path, num_kv_blocks=128)
-        services += [PrefillService(engine, cfg(f"prefill{i}")),
-                     DecodeService(engine, cfg(f"decode{i}"))]  # fmt: skip
-    gateway = Gateway(EngineConfig(model=paths[0]), cfg("gateway"), aggregated=False,
-                      api=GatewayConfig(http_port=0), cache=ON, models=paths)  # fmt: skip
+        services += [
+            PrefillService(engine, cfg(f"prefill{i}")),
+            DecodeService(engine, cfg(f"decode{i}")),
+        ]
+    gateway = Gateway(
+        EngineConfig(model=paths[0]),
+        cfg("gateway"),
+        aggregated=False,
+        api=GatewayConfig(http_port=0),
+        cache=ON,
+        models=paths,
+    )
     try:
         for svc in services:
             await svc.start()
@@ -61,8 +69,12 @@ async def fleet(tmp_path_factory, nats_server, redis_server):
 
 
 async def _ask(gateway: Gateway, model: str, text: str) -> tuple[str, str]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}],
-            "temperature": 0, "max_tokens": 8}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        "max_tokens": 8,
+    }
     base = f"http://127.0.0.1:{gateway.http_port}"
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
         r = await client.post("/v1/chat/completions", json=body)

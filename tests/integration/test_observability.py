@@ -35,8 +35,9 @@ REDIS_PASSWORD = "redis-Pw-90ab3"
 
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory) -> EngineConfig:
-    return EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                        num_kv_blocks=128)  # fmt: skip
+    return EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=128
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -46,9 +47,11 @@ async def fleet(engine_config, nats_server, redis_server) -> AsyncIterator[dict]
     def cfg(name: str):
         return service_config(nats_server.url, redis_server.url, f"{name}-obs")
 
-    workers = [EncoderService(engine_config, cfg("encoder")),
-               PrefillService(engine_config, cfg("prefill")),
-               DecodeService(engine_config, cfg("decode"))]  # fmt: skip
+    workers = [
+        EncoderService(engine_config, cfg("encoder")),
+        PrefillService(engine_config, cfg("prefill")),
+        DecodeService(engine_config, cfg("decode")),
+    ]
     for w in workers:
         w.observability = ObservabilityConfig(metrics_port=0)
     gw: Gateway | None = None
@@ -56,9 +59,13 @@ async def fleet(engine_config, nats_server, redis_server) -> AsyncIterator[dict]
         await asyncio.gather(*(w.start() for w in workers))
         gw = await start_gateway(engine_config, cfg("gateway"), aggregated=False)
         registry, fp = gw.core.backend.registry, gw.core.info.fingerprint
-        await registry.wait_for(lambda: all(any(i.model == fp for i in registry.live(role))
-                                            for role in ("encode", "prefill", "decode")),
-                                timeout_s=10.0)  # fmt: skip
+        await registry.wait_for(
+            lambda: all(
+                any(i.model == fp for i in registry.live(role))
+                for role in ("encode", "prefill", "decode")
+            ),
+            timeout_s=10.0,
+        )
         yield {"gateway": gw, "encoder": workers[0], "prefill": workers[1], "decode": workers[2]}
     finally:
         if gw is not None:
@@ -88,11 +95,16 @@ async def scrape(url: str) -> dict:
 
 
 async def chat(gw: Gateway, text: str, max_tokens: int = 6) -> dict:
-    body = {"model": "demo", "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": text}]}  # fmt: skip
+    body = {
+        "model": "demo",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": text}],
+    }
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}", timeout=60) as http:
-        resp = await http.post("/v1/chat/completions", json=body,
-                               headers={"X-Request-Id": CLIENT_ID})  # fmt: skip
+        resp = await http.post(
+            "/v1/chat/completions", json=body, headers={"X-Request-Id": CLIENT_ID}
+        )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -119,12 +131,16 @@ async def test_one_request_moves_the_metrics_on_both_ports(fleet):
     assert delta(before_worker, after_worker, "epd_engine_prefill_seconds_count") == 1
     assert delta(before_worker, after_worker, "epd_engine_queue_seconds_count") >= 1
     assert delta(before_worker, after_worker, "epd_engine_generated_tokens_total") >= tokens
-    assert delta(before_worker, after_worker, "epd_bus_request_seconds_count",
-                 subject="epd.prefill") == 1  # fmt: skip
+    assert (
+        delta(before_worker, after_worker, "epd_bus_request_seconds_count", subject="epd.prefill")
+        == 1
+    )
     ids = {"role": "decode", "instance": decode.instance_id}
     assert value(after_worker, "epd_instance_kv_blocks_free", **ids) > 0
-    assert (value(after_worker, "epd_instance_kv_blocks_free", **ids)
-            + value(after_worker, "epd_instance_kv_blocks_used", **ids)) == 128  # fmt: skip
+    assert (
+        value(after_worker, "epd_instance_kv_blocks_free", **ids)
+        + value(after_worker, "epd_instance_kv_blocks_used", **ids)
+    ) == 128
     assert ("epd_instance_running", tuple(sorted(ids.items()))) in after_worker
 
 
@@ -147,10 +163,13 @@ def json_lines() -> Iterator[io.StringIO]:
 async def test_gateway_and_worker_lines_carry_the_same_internal_request_id(fleet, json_lines):
     await chat(fleet["gateway"], "what colour is the sky")
     lines = [json.loads(line) for line in json_lines.getvalue().splitlines()]
-    assert all(set(line) >= {"time", "level", "service", "instance", "request_id", "logger",
-                             "message"} for line in lines)  # fmt: skip
-    done = [ln for ln in lines if ln["service"] == "gateway" and ln["message"].startswith(
-        "request ok")]  # fmt: skip
+    assert all(
+        set(line) >= {"time", "level", "service", "instance", "request_id", "logger", "message"}
+        for line in lines
+    )
+    done = [
+        ln for ln in lines if ln["service"] == "gateway" and ln["message"].startswith("request ok")
+    ]
     assert len(done) == 1
     rid = done[0]["request_id"]
     assert rid and rid != CLIENT_ID
@@ -190,16 +209,20 @@ async def test_passwords_in_urls_never_reach_the_logs(engine_config, secured, js
         assert "alice:***@" in output
 
 
-async def test_serve_all_reports_its_engine_load_on_metrics(engine_config, nats_server,
-                                                            redis_server):  # fmt: skip
+async def test_serve_all_reports_its_engine_load_on_metrics(
+    engine_config, nats_server, redis_server
+):
     """`epd serve all` sends no heartbeat: its engine's gauges are read at scrape time."""
     cfg = service_config(nats_server.url, redis_server.url, "all-gauges")
     gw = await start_gateway(engine_config, cfg, aggregated=True)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http:
             text = (await http.get("/metrics")).text
-        samples = {(s.name, s.labels.get("instance")): s.value
-                   for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+        samples = {
+            (s.name, s.labels.get("instance")): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
         free = samples[("epd_instance_kv_blocks_free", "all-gauges")]
         used = samples[("epd_instance_kv_blocks_used", "all-gauges")]
         assert free > 0 and used == 0 and samples[("epd_instance_running", "all-gauges")] == 0

@@ -23,8 +23,9 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "ma
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> EngineConfig:
-    return EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                        num_kv_blocks=256)  # fmt: skip
+    return EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=256
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -54,19 +55,24 @@ async def small_gateway(demo, nats_server, redis_server):
     """`serve all` that takes one request at a time and gives each 1.5 s."""
     cfg = service_config(nats_server.url, redis_server.url, "all-small")
     cfg.request_timeout_s = 1.5
-    gw = await start_gateway(demo, cfg, aggregated=True,
-                             api=GatewayConfig(http_port=0, max_inflight=1))  # fmt: skip
+    gw = await start_gateway(
+        demo, cfg, aggregated=True, api=GatewayConfig(http_port=0, max_inflight=1)
+    )
     yield gw
     await gw.stop()
 
 
 async def test_capacity_gives_429_then_serves(small_gateway):
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{small_gateway.http_port}/v1",
-                                api_key="none", max_retries=0)  # fmt: skip
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{small_gateway.http_port}/v1", api_key="none", max_retries=0
+    )
     long = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "go on"}], max_tokens=200,
-        stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="demo",
+        messages=[{"role": "user", "content": "go on"}],
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     first = await anext(aiter(long))
     assert first.choices[0].delta.role == "assistant"
     with pytest.raises(openai.RateLimitError) as err:

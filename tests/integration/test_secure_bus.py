@@ -50,8 +50,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 def _tls_block(pki: Pki, verify: bool) -> str:
-    return (f'tls {{ cert_file: "{pki.server_cert}", key_file: "{pki.server_key}", '
-            f'ca_file: "{pki.ca}", verify: {str(verify).lower()}, timeout: 2 }}')  # fmt: skip
+    return (
+        f'tls {{ cert_file: "{pki.server_cert}", key_file: "{pki.server_key}", '
+        f'ca_file: "{pki.ca}", verify: {str(verify).lower()}, timeout: 2 }}'
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,9 @@ async def _round_trip(bus_a: Bus, bus_b: Bus) -> None:
 
     await bus_a.subscribe("t.secure.echo", echo)
     await bus_a.flush()
-    reply = await bus_b.request("t.secure.echo", bus_pb2.Heartbeat(instance_id="x", running=1),
-                                bus_pb2.Heartbeat, 2.0)  # fmt: skip
+    reply = await bus_b.request(
+        "t.secure.echo", bus_pb2.Heartbeat(instance_id="x", running=1), bus_pb2.Heartbeat, 2.0
+    )
     assert (reply.instance_id, reply.running) == ("x", 2)
 
 
@@ -155,8 +158,11 @@ async def test_tls_with_only_a_ca_and_a_password(nats_tls: ServerProcess, pki: P
 
 
 async def test_tls_with_an_untrusted_ca_fails_fast(nats_tls: ServerProcess, pki: Pki) -> None:
-    config = BusConfig(servers=(_url(nats_tls, f"alice:{URL_PASSWORD}@", "tls"),),
-                       auth=NatsAuth(tls_ca=str(pki.other_ca)), connect_timeout_s=20)  # fmt: skip
+    config = BusConfig(
+        servers=(_url(nats_tls, f"alice:{URL_PASSWORD}@", "tls"),),
+        auth=NatsAuth(tls_ca=str(pki.other_ca)),
+        connect_timeout_s=20,
+    )
     started = time.monotonic()
     with pytest.raises(BusUnavailable, match="(?i)certificate verify failed"):
         await Bus.connect(config)
@@ -169,8 +175,10 @@ async def test_credentials_never_cross_a_connection_that_should_be_tls(pki: Pki)
     received = bytearray()
 
     async def plaintext_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        writer.write(b'INFO {"server_id":"fake","version":"2.10.0","proto":1,'
-                     b'"max_payload":1048576,"headers":true,"auth_required":true}\r\n')  # fmt: skip
+        writer.write(
+            b'INFO {"server_id":"fake","version":"2.10.0","proto":1,'
+            b'"max_payload":1048576,"headers":true,"auth_required":true}\r\n'
+        )
         await writer.drain()
         received.extend(await reader.read(65536))
         writer.close()
@@ -191,8 +199,7 @@ async def test_credentials_never_cross_a_connection_that_should_be_tls(pki: Pki)
 
 async def test_mutual_tls_needs_the_client_certificate(nats_mtls: ServerProcess, pki: Pki) -> None:
     url = _url(nats_mtls, scheme="tls")
-    full = NatsAuth(tls_ca=str(pki.ca), tls_cert=str(pki.client_cert),
-                    tls_key=str(pki.client_key))  # fmt: skip
+    full = NatsAuth(tls_ca=str(pki.ca), tls_cert=str(pki.client_cert), tls_key=str(pki.client_key))
     a, b = await _connect_pair(BusConfig(servers=(url,), name="mtls", auth=full))
     try:
         await _round_trip(a, b)
@@ -207,9 +214,12 @@ async def test_services_connect_through_connect_bus_with_tls_files(
     nats_mtls: ServerProcess, pki: Pki
 ) -> None:
     """The path every service takes: CLI/env -> ServiceConfig -> connect_bus."""
-    config = ServiceConfig(nats_url=_url(nats_mtls), nats_tls_ca=str(pki.ca),
-                           nats_tls_cert=str(pki.client_cert),
-                           nats_tls_key=str(pki.client_key))  # fmt: skip
+    config = ServiceConfig(
+        nats_url=_url(nats_mtls),
+        nats_tls_ca=str(pki.ca),
+        nats_tls_cert=str(pki.client_cert),
+        nats_tls_key=str(pki.client_key),
+    )
     a, b = await connect_bus(config, "svc-a"), await connect_bus(config, "svc-b")
     try:
         assert a.config.auth.tls_cert == str(pki.client_cert)

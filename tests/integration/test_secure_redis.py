@@ -118,8 +118,11 @@ async def test_rediss_refuses_what_it_should(tls_front: int, pki: Pki, which: st
         query += f"&ssl_keyfile={pki.client_key}"
     else:
         query = f"?ssl_ca_certs={pki.ca}"
-    client = redis_client(_url(tls_front, scheme="rediss", query=query), socket_timeout=2.0,
-                          socket_connect_timeout=2.0)  # fmt: skip
+    client = redis_client(
+        _url(tls_front, scheme="rediss", query=query),
+        socket_timeout=2.0,
+        socket_connect_timeout=2.0,
+    )
     try:
         with pytest.raises(ConnectionError):
             await client.ping()

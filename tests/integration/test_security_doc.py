@@ -35,19 +35,37 @@ FP, ID = "fp0123", "x-1"
 
 # role -> (may publish, may subscribe); the doc's table, written with subjects.py.
 ALLOWED = {
-    "gateway": ([subjects.encoder(FP, ID), subjects.blob(ID),
-                 subjects.prefill(FP, ID), subjects.CACHE_LOOKUP, subjects.CACHE_STORE,
-                 subjects.ABORT, subjects.heartbeat("gateway", ID)],
-                [subjects.out(ID), subjects.heartbeat_wildcard("decode"), "_INBOX.abc.*"]),
-    "encoder": ([subjects.blob(ID), subjects.heartbeat("encode", ID)],
-                [subjects.encoder(FP, ID), subjects.blob(ID)]),
-    "prefill": ([subjects.decode(FP, ID), subjects.kv(ID), subjects.out(ID),
-                 subjects.heartbeat("prefill", ID)],
-                [subjects.prefill(FP, ID), subjects.blob(ID), subjects.ABORT]),
-    "decode": ([subjects.out(ID), subjects.heartbeat("decode", ID)],
-               [subjects.decode(FP, ID), subjects.kv(ID), subjects.ABORT]),
+    "gateway": (
+        [
+            subjects.encoder(FP, ID),
+            subjects.blob(ID),
+            subjects.prefill(FP, ID),
+            subjects.CACHE_LOOKUP,
+            subjects.CACHE_STORE,
+            subjects.ABORT,
+            subjects.heartbeat("gateway", ID),
+        ],
+        [subjects.out(ID), subjects.heartbeat_wildcard("decode"), "_INBOX.abc.*"],
+    ),
+    "encoder": (
+        [subjects.blob(ID), subjects.heartbeat("encode", ID)],
+        [subjects.encoder(FP, ID), subjects.blob(ID)],
+    ),
+    "prefill": (
+        [
+            subjects.decode(FP, ID),
+            subjects.kv(ID),
+            subjects.out(ID),
+            subjects.heartbeat("prefill", ID),
+        ],
+        [subjects.prefill(FP, ID), subjects.blob(ID), subjects.ABORT],
+    ),
+    "decode": (
+        [subjects.out(ID), subjects.heartbeat("decode", ID)],
+        [subjects.decode(FP, ID), subjects.kv(ID), subjects.ABORT],
+    ),
     "cache": ([subjects.heartbeat("cache", ID)], [subjects.CACHE_LOOKUP, subjects.CACHE_STORE]),
-}  # fmt: skip
+}
 # One step outside the table per role: (publish, subscribe).
 DENIED = {
     "gateway": (subjects.kv(ID), subjects.prefill(FP, ID)),
@@ -95,8 +113,9 @@ async def connect(locked_nats: ServerProcess, pki: Pki) -> AsyncIterator:
 
     async def as_role(role: str) -> Bus:
         password = f"pw-epd_nats_{role}_password"
-        auth = NatsAuth(tls_ca=str(pki.ca), tls_cert=str(pki.client_cert),
-                        tls_key=str(pki.client_key))  # fmt: skip
+        auth = NatsAuth(
+            tls_ca=str(pki.ca), tls_cert=str(pki.client_cert), tls_key=str(pki.client_key)
+        )
         url = f"tls://{role}:{password}@127.0.0.1:{locked_nats.port}"
         buses.append(await Bus.connect(BusConfig(servers=(url,), name=role, auth=auth)))
         return buses[-1]
@@ -125,8 +144,10 @@ async def test_each_role_may_do_what_the_table_says_and_no_more(
     await bus.subscribe(denied_sub, _noop)
     await bus.publish(denied_pub, b"")
     await bus.flush()
-    expected = [f'permissions violation for subscription to "{denied_sub}"',
-                f'permissions violation for publish to "{denied_pub}"']  # fmt: skip
+    expected = [
+        f'permissions violation for subscription to "{denied_sub}"',
+        f'permissions violation for publish to "{denied_pub}"',
+    ]
     # The server reports violations in order, but nats-py hands them to the error
     # callback in tasks of their own: wait (bounded) for the two that must come; any
     # violation of an allowed action was reported before them.
@@ -145,8 +166,9 @@ async def test_request_reply_across_roles(connect) -> None:
 
     await prefill.subscribe(subjects.prefill(FP, "p-1"), admit)
     await prefill.flush()
-    reply = await gateway.request(subjects.prefill(FP, "p-1"), bus_pb2.Abort(), bus_pb2.Heartbeat,
-                                  2.0)  # fmt: skip
+    reply = await gateway.request(
+        subjects.prefill(FP, "p-1"), bus_pb2.Abort(), bus_pb2.Heartbeat, 2.0
+    )
     assert reply.instance_id == "p-1"
 
 
@@ -155,8 +177,9 @@ async def test_the_redis_acl_line_runs_both_stores() -> None:
     assert rule[:2] == ["user", "epd"]
     with start_redis(password="admin-pw") as server:
         admin = redis_client(server.url)
-        await admin.execute_command("ACL", "SETUSER", "epd", *[r.replace(">PASSWORD", ">acl-pw")
-                                                            for r in rule[2:]])  # fmt: skip
+        await admin.execute_command(
+            "ACL", "SETUSER", "epd", *[r.replace(">PASSWORD", ">acl-pw") for r in rule[2:]]
+        )
         await admin.aclose()
         url = f"redis://epd:acl-pw@127.0.0.1:{server.port}/0"
         store = EmbeddingStore.from_config(EmbeddingStoreConfig(url=url, op_timeout_s=2.0))

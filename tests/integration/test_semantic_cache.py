@@ -37,16 +37,21 @@ async def fleet(tmp_path_factory, nats_server, redis_server):
     client = aioredis.Redis.from_url(redis_server.url)
     await client.flushdb()
     await client.aclose()
-    engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                          num_kv_blocks=256)  # fmt: skip
+    engine = EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=256
+    )
     cache = CacheService(service_config(nats_server.url, redis_server.url, "cache-a"), ON)
     await cache.start()
     # lenient heartbeats: no worker dies here, and on a loaded machine a beat of the
     # services sharing this loop can come more than the strict 1 s TTL late
-    stack = await start_disaggregated(engine, nats_server.url, redis_server.url, "sc",
-                                      num_decode=1, cache=ON, lenient=True)  # fmt: skip
-    other_cfg = dataclasses.replace(service_config(nats_server.url, redis_server.url,
-                                                   "gateway-sc2"), heartbeat_s=1.0, instance_ttl_s=3.0)  # fmt: skip
+    stack = await start_disaggregated(
+        engine, nats_server.url, redis_server.url, "sc", num_decode=1, cache=ON, lenient=True
+    )
+    other_cfg = dataclasses.replace(
+        service_config(nats_server.url, redis_server.url, "gateway-sc2"),
+        heartbeat_s=1.0,
+        instance_ttl_s=3.0,
+    )
     other = await start_gateway(engine, other_cfg, aggregated=False, cache=ON)
     await wait_live(other, num_decode=1)  # its registry learns the workers from heartbeats
     yield stack, other, cache
@@ -63,8 +68,9 @@ async def settled(fleet) -> None:
 
 
 def client_of(gateway, **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1",
-                              api_key="none", max_retries=0, **kw)  # fmt: skip
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="none", max_retries=0, **kw
+    )
 
 
 async def ask(client, text: str, system: str | None = None, **kw):
@@ -89,9 +95,11 @@ async def test_exact_and_paraphrase_hits_are_shared_by_gateways(fleet):
     assert status == "hit-exact"
     assert again.choices[0].message.content == first.choices[0].message.content
     raw = await b.chat.completions.with_raw_response.create(
-        model="demo", messages=[{"role": "user", "content": "What's France's capital city?"}],
-        temperature=0, max_tokens=8,
-    )  # fmt: skip
+        model="demo",
+        messages=[{"role": "user", "content": "What's France's capital city?"}],
+        temperature=0,
+        max_tokens=8,
+    )
     assert raw.headers["x-epd-cache"] == "hit-semantic"
     assert 0.8 <= float(raw.headers["x-epd-cache-similarity"]) < 1.0
     assert raw.parse().choices[0].message.content == first.choices[0].message.content
@@ -121,14 +129,16 @@ async def test_an_exact_hit_never_reaches_the_workers(fleet):
 
 @pytest.mark.parametrize(
     "stored,asked",
-    [("How many calories are in 3 eggs?", "How many calories are in 4 eggs?"),
-     ("Is raw chicken safe to eat?", "Is raw chicken not safe to eat?"),
-     ("What is the capital of North Carolina?", "What is the capital of South Carolina?"),
-     ("How do I convert USD to EUR?", "How do I convert EUR to USD?"),
-     ("How many grams are in a pound?", "How many grams are in a kilogram?"),
-     ("What are the pros of electric cars?", "What are the cons of electric cars?")],
+    [
+        ("How many calories are in 3 eggs?", "How many calories are in 4 eggs?"),
+        ("Is raw chicken safe to eat?", "Is raw chicken not safe to eat?"),
+        ("What is the capital of North Carolina?", "What is the capital of South Carolina?"),
+        ("How do I convert USD to EUR?", "How do I convert EUR to USD?"),
+        ("How many grams are in a pound?", "How many grams are in a kilogram?"),
+        ("What are the pros of electric cars?", "What are the cons of electric cars?"),
+    ],
     ids=["number", "negation", "entity", "order", "unit", "opposite"],
-)  # fmt: skip
+)
 async def test_hard_negatives_never_hit(fleet, stored, asked):
     stack, _, _ = fleet
     a = client_of(stack.gateway)
@@ -149,10 +159,14 @@ async def test_other_fingerprints_never_hit(fleet, tmp_path):
     assert (await ask(a, q, extra_body={"top_k": 5}))[0] == "miss"
     assert (await ask(a, q, user="someone-else"))[0] == "miss"
     assert (await ask(a, q, stop=["zzz"]))[0] == "miss"
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-               {"role": "user", "content": q}]  # fmt: skip
-    raw = await a.chat.completions.with_raw_response.create(model="demo", messages=history,
-                                                            temperature=0, max_tokens=8)  # fmt: skip
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": q},
+    ]
+    raw = await a.chat.completions.with_raw_response.create(
+        model="demo", messages=history, temperature=0, max_tokens=8
+    )
     assert raw.headers["x-epd-cache"] == "miss"
     sampled = await a.chat.completions.with_raw_response.create(
         model="demo", messages=[{"role": "user", "content": q}], temperature=0.7, max_tokens=8
@@ -211,9 +225,13 @@ async def test_a_streamed_hit_is_well_formed_sse(fleet):
     _, full = await ask(a, q, max_tokens=24)
     await settled(fleet)
     raw = await a.chat.completions.with_raw_response.create(
-        model="demo", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=24,
-        stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model="demo",
+        messages=[{"role": "user", "content": q}],
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     assert raw.headers["x-epd-cache"] == "hit-exact"
     chunks = [c async for c in raw.parse()]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -227,8 +245,11 @@ async def test_a_streamed_hit_is_well_formed_sse(fleet):
 async def test_grpc_gets_the_cache_too(fleet):
     stack, _, _ = fleet
     msg = pb.ChatMessage(role="user", content="What is the boiling point of water at sea level?")
-    req = pb.GenerateRequest(model="demo", chat=pb.Chat(messages=[msg]),
-                             sampling=pb.SamplingParams(temperature=0, max_tokens=6))  # fmt: skip
+    req = pb.GenerateRequest(
+        model="demo",
+        chat=pb.Chat(messages=[msg]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+    )
     call = stack.stub.GenerateOnce(req)
     assert dict(await call.initial_metadata())["x-epd-cache"] == "miss"
     first = await call

@@ -38,8 +38,13 @@ def vector_of(text: str) -> np.ndarray:
 
 
 def query(text: str, vector: bytes = b"") -> bus_pb2.CacheQuery:
-    return bus_pb2.CacheQuery(fingerprint="c" * 64, text=text, max_tokens=8, vector=vector,
-                              exact_key=hashlib.sha256(text.encode()).hexdigest())  # fmt: skip
+    return bus_pb2.CacheQuery(
+        fingerprint="c" * 64,
+        text=text,
+        max_tokens=8,
+        vector=vector,
+        exact_key=hashlib.sha256(text.encode()).hexdigest(),
+    )
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -50,8 +55,11 @@ async def cache(redis_server):
     await client.flushdb()
     await client.aclose()
     embed = Counting()
-    c = SemanticCache(AnswerStore(redis_server.url, follow_block_ms=100), embed,
-                      SemanticCacheConfig(cache_threshold=0.9))  # fmt: skip
+    c = SemanticCache(
+        AnswerStore(redis_server.url, follow_block_ms=100),
+        embed,
+        SemanticCacheConfig(cache_threshold=0.9),
+    )
     await c.start()
     yield c, embed
     await c.stop()
@@ -62,8 +70,9 @@ async def test_a_given_vector_saves_the_embedding_pass(cache):
     answer = bus_pb2.CachedAnswer(max_tokens=8)
     answer.choices.add(index=0, token_ids=[1, 2], finish_reason=pb.FINISH_REASON_STOP)
     given = vector_of("capital of france").tobytes()
-    stored = await c.put(bus_pb2.CacheStoreRequest(query=query("capital of france?", given),
-                                                   answer=answer))  # fmt: skip
+    stored = await c.put(
+        bus_pb2.CacheStoreRequest(query=query("capital of france?", given), answer=answer)
+    )
     assert stored.stored and embed.calls == 0
     hit = await c.lookup(query("capital of France, please", vector_of("capital x").tobytes()))
     assert hit.hit and hit.tier == "semantic" and embed.calls == 0
@@ -71,8 +80,9 @@ async def test_a_given_vector_saves_the_embedding_pass(cache):
     assert plain.hit and embed.calls == 1
 
 
-@pytest.mark.parametrize("bad", [b"\x00" * 10, np.zeros(384, "<f4").tobytes(),
-                                 np.full(384, np.nan, "<f4").tobytes()])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad", [b"\x00" * 10, np.zeros(384, "<f4").tobytes(), np.full(384, np.nan, "<f4").tobytes()]
+)
 async def test_a_malformed_vector_is_refused(cache, bad):
     c, embed = cache
     reply = await c.lookup(query("anything at all", bad))

@@ -33,8 +33,13 @@ class Embed:
 def query(text: str, tenant: str = "", fp: str = "a" * 64) -> bus_pb2.CacheQuery:
     import hashlib
 
-    return bus_pb2.CacheQuery(fingerprint=fp, exact_key=hashlib.sha256(text.encode()).hexdigest(),
-                              text=text, max_tokens=16, tenant=tenant)  # fmt: skip
+    return bus_pb2.CacheQuery(
+        fingerprint=fp,
+        exact_key=hashlib.sha256(text.encode()).hexdigest(),
+        text=text,
+        max_tokens=16,
+        tenant=tenant,
+    )
 
 
 def store(text: str, **kw) -> bus_pb2.CacheStoreRequest:
@@ -54,8 +59,7 @@ async def redis_url(redis_server):
 
 
 async def open_cache(url: str, **kw) -> SemanticCache:
-    cache = SemanticCache(AnswerStore(url, follow_block_ms=100), Embed(),
-                          SemanticCacheConfig(**kw))  # fmt: skip
+    cache = SemanticCache(AnswerStore(url, follow_block_ms=100), Embed(), SemanticCacheConfig(**kw))
     await cache.start()
     return cache
 
@@ -105,8 +109,11 @@ async def test_ttl_size_bound_and_tenant_quota(redis_url):
         for i in range(4):
             await cache.put(store(f"bounded {i}"))
         assert [(await cache.lookup(query(f"bounded {i}"))).hit for i in range(4)] == [
-            False, True, True, True
-        ]  # fmt: skip
+            False,
+            True,
+            True,
+            True,
+        ]
         for i in range(3):
             await cache.put(store(f"tenant {i}", tenant="t1"))
         assert not (await cache.lookup(query("tenant 0", tenant="t1"))).hit

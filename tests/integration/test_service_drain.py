@@ -48,8 +48,9 @@ def running(registry: InstanceRegistry, iid: str) -> int:
 
 
 async def ask(bus, iid: str, timeout_s: float = 30.0) -> bus_pb2.EncodeReply:
-    return await bus.request(work_subject(iid), bus_pb2.EncodeRequest(), bus_pb2.EncodeReply,
-                             timeout_s)  # fmt: skip
+    return await bus.request(
+        work_subject(iid), bus_pb2.EncodeRequest(), bus_pb2.EncodeReply, timeout_s
+    )
 
 
 async def draining_beats(bus, iid: str, count: int) -> list[bus_pb2.Heartbeat]:

@@ -50,10 +50,10 @@ REQUEST_S = 120.0  # one request that takes longer than this is a hang
 async def stack(tmp_path_factory, nats_server, redis_server):
     """The in-process fleet with the default heartbeat and TTL (start_disaggregated's
     ``lenient`` says why: 200 streams on one event loop delay the beats)."""
-    engine = EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                          num_kv_blocks=2048)  # fmt: skip
-    s = await start_disaggregated(engine, nats_server.url, redis_server.url, "soak",
-                                  lenient=True)  # fmt: skip
+    engine = EngineConfig(
+        model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")), num_kv_blocks=2048
+    )
+    s = await start_disaggregated(engine, nats_server.url, redis_server.url, "soak", lenient=True)
     yield s
     await s.stop()
 
@@ -90,8 +90,12 @@ def describe(k: int, got: list[int], reference: list[list[int]]) -> str:
 
 def moves() -> dict[str, float]:
     """The gateway's retries and migrations so far (this process), by role and kind."""
-    return {"/".join(s.labels.values()): s.value for m in MIGRATIONS.collect()
-            for s in m.samples if s.name.endswith("_total")}  # fmt: skip
+    return {
+        "/".join(s.labels.values()): s.value
+        for m in MIGRATIONS.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
 
 
 def rss() -> int:
@@ -147,12 +151,14 @@ async def test_200_streams_for_a_minute_without_errors_or_memory_growth(stack):
     elapsed = time.monotonic() - start
     rss_end = rss()
     growth, second_half = rss_end / rss_warm - 1, rss_end / rss_half - 1
-    print(f"\nsoak: {STREAMS} streams for {elapsed:.0f}s: {done[0]} requests "
-          f"({done[0] / elapsed:.1f}/s, {done[0] * MAX_TOKENS / elapsed:.0f} tokens/s), "
-          f"{done_warm} in the first {warm_s:.0f}s; errors {len(errors)}, wrong {len(wrong)}; "
-          f"RSS {rss_warm / 2**20:.0f} MiB at {warm_s:.0f}s -> {rss_end / 2**20:.0f} MiB "
-          f"at the end ({growth:+.1%}; second half {second_half:+.1%}); "
-          f"RSS (s, MiB): {timeline}; retries and migrations {moves_before} -> {moves()}")  # fmt: skip
+    print(
+        f"\nsoak: {STREAMS} streams for {elapsed:.0f}s: {done[0]} requests "
+        f"({done[0] / elapsed:.1f}/s, {done[0] * MAX_TOKENS / elapsed:.0f} tokens/s), "
+        f"{done_warm} in the first {warm_s:.0f}s; errors {len(errors)}, wrong {len(wrong)}; "
+        f"RSS {rss_warm / 2**20:.0f} MiB at {warm_s:.0f}s -> {rss_end / 2**20:.0f} MiB "
+        f"at the end ({growth:+.1%}; second half {second_half:+.1%}); "
+        f"RSS (s, MiB): {timeline}; retries and migrations {moves_before} -> {moves()}"
+    )
     assert not errors, errors[:5]
     assert not wrong, wrong[:3]
     assert done[0] - done_warm >= STREAMS  # every stream kept being served after the mark

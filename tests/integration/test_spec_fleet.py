@@ -26,8 +26,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory) -> EngineConfig:
-    return EngineConfig(model="demo", demo_dir=str(tmp_path_factory.mktemp("demo")),
-                        block_size=16, num_kv_blocks=256)  # fmt: skip
+    return EngineConfig(
+        model="demo",
+        demo_dir=str(tmp_path_factory.mktemp("demo")),
+        block_size=16,
+        num_kv_blocks=256,
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -79,8 +83,9 @@ async def test_prefill_hands_the_draft_head_its_last_prompt_row(stacks, engine_c
     for d in disagg.decodes:
         eng = d.engine.engine
         recorders.append(RecordingProposer(layers))
-        eng.spec = SpecDecoding.build(eng.config.speculative_config, eng.loaded, eng.runner,
-                                      recorders[-1])  # fmt: skip
+        eng.spec = SpecDecoding.build(
+            eng.config.speculative_config, eng.loaded, eng.runner, recorders[-1]
+        )
     before = sum(d.adopted for d in disagg.decodes)
     texts = [f"tell me about the number {i} and its friends" for i in range(3)]
     await asyncio.gather(*(collect(disagg.stub, request(t, 6)) for t in texts))
@@ -93,11 +98,17 @@ async def test_prefill_hands_the_draft_head_its_last_prompt_row(stacks, engine_c
     # (the row that travelled), not at 0.
     imported = [(f, r, t) for f, r, t in firsts.values() if f > 0]
     assert imported
-    one = LLM(engine_config.model, demo_dir=engine_config.demo_dir, device="cpu",
-              num_kv_blocks=64, speculative_config=NGRAM)  # fmt: skip
+    one = LLM(
+        engine_config.model,
+        demo_dir=engine_config.demo_dir,
+        device="cpu",
+        num_kv_blocks=64,
+        speculative_config=NGRAM,
+    )
     rec = RecordingProposer(layers)
-    one.engine.spec = SpecDecoding.build(one.engine.config.speculative_config,
-                                         one.engine.loaded, one.engine.runner, rec)  # fmt: skip
+    one.engine.spec = SpecDecoding.build(
+        one.engine.config.speculative_config, one.engine.loaded, one.engine.runner, rec
+    )
     for first, rows, tokens in imported:
         rec.rows.clear()
         one.generate({"prompt_token_ids": tokens[: first + 1]}, SamplingParams(max_tokens=3))

@@ -41,8 +41,9 @@ async def _backend(engine_config, store: EmbeddingStoreConfig | None = None) -> 
 
 def _prep(preparer: RequestPreparer, *images: bytes) -> PreparedRequest:
     prompt = "look " + " and ".join("<image>" for _ in images) + " now"
-    return preparer.prepare(model="", prompt=prompt, images=images,
-                            params={"temperature": 0, "max_tokens": 4})  # fmt: skip
+    return preparer.prepare(
+        model="", prompt=prompt, images=images, params={"temperature": 0, "max_tokens": 4}
+    )
 
 
 async def _tokens(backend: AggregatedBackend, prep: PreparedRequest) -> list[int]:
@@ -73,8 +74,11 @@ async def test_a_repeated_image_skips_the_tower_and_answers_the_same(engine_conf
     # The engine's own path (the tower inside add_request) gives the same tokens.
     llm = LLMEngine(engine_config)
     prep = _prep(preparer, png(1))
-    llm.add_request("ref", {"prompt_token_ids": prep.prompt_token_ids, "images": prep.images},
-                    SamplingParams(temperature=0, max_tokens=4))  # fmt: skip
+    llm.add_request(
+        "ref",
+        {"prompt_token_ids": prep.prompt_token_ids, "images": prep.images},
+        SamplingParams(temperature=0, max_tokens=4),
+    )
     ref = []
     while llm.has_unfinished_requests():
         ref = [o.outputs[0].token_ids for o in llm.step() if o.request_id == "ref"] or ref

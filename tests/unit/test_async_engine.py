@@ -51,9 +51,12 @@ async def test_concurrent_streams_match_sync_engine(ckpt):
     eng = AsyncEngine(_engine(ckpt))
     eng.start()
     try:
-        outs = await asyncio.gather(*[
-            _collect(eng.generate(f"a{i}", {"prompt_token_ids": p}, params)) for i, p in enumerate(PROMPTS)
-        ])  # fmt: skip
+        outs = await asyncio.gather(
+            *[
+                _collect(eng.generate(f"a{i}", {"prompt_token_ids": p}, params))
+                for i, p in enumerate(PROMPTS)
+            ]
+        )
         assert [o.outputs[0].token_ids for o in outs] == ref
         with pytest.raises(ValueError, match="empty"):
             await _collect(eng.generate("bad", {"prompt_token_ids": []}, params))
@@ -159,8 +162,10 @@ async def test_multi_step_streams_the_same_tokens(ckpt):
     eng.start()
 
     async def stream(i, p):
-        deltas = [o.outputs[0].token_ids_delta async for o in
-                  eng.generate(f"m{i}", {"prompt_token_ids": p}, params)]  # fmt: skip
+        deltas = [
+            o.outputs[0].token_ids_delta
+            async for o in eng.generate(f"m{i}", {"prompt_token_ids": p}, params)
+        ]
         return deltas
 
     try:

@@ -46,8 +46,9 @@ def _chat_chunk(text: str) -> dict:
     return {"choices": [{"index": 0, "delta": {"content": text}}]}
 
 
-def _streaming_transport(clock: FakeClock, tokens: int, ttft: float, gap: float,
-                         cache: str | None = "miss") -> httpx.MockTransport:  # fmt: skip
+def _streaming_transport(
+    clock: FakeClock, tokens: int, ttft: float, gap: float, cache: str | None = "miss"
+) -> httpx.MockTransport:
     """Per request: first chunk after ``ttft``, then one every ``gap``, usage, [DONE]."""
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -116,8 +117,13 @@ def _rec(ttft_ms: float, gaps_ms: list[float], end_extra_ms: float = 0.0) -> Req
     chunks = [first]
     for g in gaps_ms:
         chunks.append(chunks[-1] + g / 1000)
-    return RequestRecord(send_s=0.0, end_s=chunks[-1] + end_extra_ms / 1000, chunk_s=chunks,
-                         chunk_tokens=[1] * len(chunks), output_tokens=len(chunks))  # fmt: skip
+    return RequestRecord(
+        send_s=0.0,
+        end_s=chunks[-1] + end_extra_ms / 1000,
+        chunk_s=chunks,
+        chunk_tokens=[1] * len(chunks),
+        output_tokens=len(chunks),
+    )
 
 
 def test_summary_figures_and_goodput_on_synthetic_timestamps() -> None:
@@ -200,8 +206,9 @@ def test_payload_asks_for_streamed_usage_and_exact_output_length() -> None:
 
 
 def test_token_id_prompts_are_uniform_in_the_range_and_go_to_completions() -> None:
-    reqs = random_requests(200, input_len=32, output_len=4, range_ratio=0.0, seed=5,
-                           token_ids=(1000, 1010))  # fmt: skip
+    reqs = random_requests(
+        200, input_len=32, output_len=4, range_ratio=0.0, seed=5, token_ids=(1000, 1010)
+    )
     assert reqs == random_requests(200, 32, 4, 0.0, seed=5, token_ids=(1000, 1010))
     ids = [i for r in reqs for i in r.prompt_ids or ()]
     assert len(ids) == 200 * 32 and set(ids) == set(range(1000, 1010))  # hi is excluded
@@ -216,8 +223,19 @@ def test_token_id_prompts_are_uniform_in_the_range_and_go_to_completions() -> No
 
 
 def test_cli_registers_bench_serve_and_the_report_has_no_nan() -> None:
-    args = build_parser().parse_args(["bench", "serve", "--model", "m", "--request-rate", "2",
-                                      "--goodput", "ttft:100", "tpot:10"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--model",
+            "m",
+            "--request-rate",
+            "2",
+            "--goodput",
+            "ttft:100",
+            "tpot:10",
+        ]
+    )
     assert args.func.__name__ == "run_bench_serve"
     assert (args.dataset, args.request_rate) == ("random", 2.0)
     assert args.goodput == ["ttft:100", "tpot:10"]
@@ -230,9 +248,11 @@ def test_cli_registers_bench_serve_and_the_report_has_no_nan() -> None:
 
 def test_bench_imports_no_torch() -> None:
     """The benchmark runs beside the torch-free gateway: importing it must not pull torch."""
-    code = ("import sys, launch.cli, launch.bench.cli, launch.bench.client, "
-            "launch.bench.load, launch.bench.metrics, launch.bench.report, "
-            "launch.bench.run, launch.bench.images, launch.bench.paraphrase, "
-            "launch.bench.plot; "
-            "launch.cli.build_parser(); sys.exit('torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys, launch.cli, launch.bench.cli, launch.bench.client, "
+        "launch.bench.load, launch.bench.metrics, launch.bench.report, "
+        "launch.bench.run, launch.bench.images, launch.bench.paraphrase, "
+        "launch.bench.plot; "
+        "launch.cli.build_parser(); sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -91,7 +91,10 @@ def test_paraphrase_asks_every_seed_before_its_follow_up_in_the_mix() -> None:
 def test_paraphrase_mix_is_parsed_and_split_exactly() -> None:
     assert parse_mix("repeat:1,paraphrase:3") == {"repeat": 0.25, "paraphrase": 0.75}
     assert kind_counts(7, {"repeat": 0.3, "paraphrase": 0.5, "negative": 0.2}) == {
-        "repeat": 2, "paraphrase": 4, "negative": 1}  # fmt: skip  # 2.1, 3.5, 1.4
+        "repeat": 2,
+        "paraphrase": 4,
+        "negative": 1,
+    }  # 2.1, 3.5, 1.4
     for bad in ("hits:1", "repeat", "repeat:-1", "repeat:0"):
         with pytest.raises(ValueError):
             parse_mix(bad)
@@ -102,8 +105,14 @@ def test_paraphrase_mix_is_parsed_and_split_exactly() -> None:
 
 
 def _done(req, cache: str, ttft_ms: float, e2e_ms: float) -> RequestRecord:
-    rec = RequestRecord(send_s=1.0, end_s=1.0 + e2e_ms / 1000, chunk_s=[1.0 + ttft_ms / 1000],
-                        chunk_tokens=[1], output_tokens=1, cache=cache)  # fmt: skip
+    rec = RequestRecord(
+        send_s=1.0,
+        end_s=1.0 + e2e_ms / 1000,
+        chunk_s=[1.0 + ttft_ms / 1000],
+        chunk_tokens=[1],
+        output_tokens=1,
+        cache=cache,
+    )
     return tag(rec, req)
 
 
@@ -113,15 +122,30 @@ def test_summary_counts_hits_by_kind_false_hits_and_missed_hits() -> None:
     rep = next(r for r in follow if r.kind == "repeat")
     para = next(r for r in follow if r.kind == "paraphrase")
     neg = next(r for r in follow if r.kind.startswith("negative/"))
-    recs = [_done(seed, "miss", 200, 400), _done(seed, "miss", 300, 500),
-            _done(rep, "hit-exact", 4, 6), _done(para, "hit-semantic", 10, 12),
-            _done(para, "miss", 220, 420), _done(neg, "hit-semantic", 8, 10),
-            _done(neg, "miss", 240, 440)]  # fmt: skip
+    recs = [
+        _done(seed, "miss", 200, 400),
+        _done(seed, "miss", 300, 500),
+        _done(rep, "hit-exact", 4, 6),
+        _done(para, "hit-semantic", 10, 12),
+        _done(para, "miss", 220, 420),
+        _done(neg, "hit-semantic", 8, 10),
+        _done(neg, "miss", 240, 440),
+    ]
     exp = summarize(recs, duration_s=1.0)["expected_cache"]
-    assert exp["kinds"]["seed"] == {"requests": 2, "hits": 0, "expected_hits": 0,
-                                    "ttft_p50_ms": pytest.approx(250), "e2el_p50_ms": pytest.approx(450)}  # fmt: skip
-    assert exp["kinds"]["repeat"] == {"requests": 1, "hits": 1, "expected_hits": 1,
-                                      "ttft_p50_ms": pytest.approx(4), "e2el_p50_ms": pytest.approx(6)}  # fmt: skip
+    assert exp["kinds"]["seed"] == {
+        "requests": 2,
+        "hits": 0,
+        "expected_hits": 0,
+        "ttft_p50_ms": pytest.approx(250),
+        "e2el_p50_ms": pytest.approx(450),
+    }
+    assert exp["kinds"]["repeat"] == {
+        "requests": 1,
+        "hits": 1,
+        "expected_hits": 1,
+        "ttft_p50_ms": pytest.approx(4),
+        "e2el_p50_ms": pytest.approx(6),
+    }
     assert (
         exp["kinds"]["paraphrase"]["hits"] == 1 and exp["kinds"]["paraphrase"]["expected_hits"] == 2
     )
@@ -134,6 +158,8 @@ def test_summary_counts_image_slots_and_repeats() -> None:
     opts = ImageOptions(per_request=(1, 3), repeat_ratio=0.5, sizes=((8, 8),))
     reqs = random_mm_requests(20, 4, 4, 0.0, seed=1, opts=opts)
     recs = [_done(r, "miss", 10, 20) for r in reqs]
-    assert summarize(recs, 1.0)["images"] == {"slots": sum(r.images for r in reqs),
-                                              "repeats": sum(r.image_repeats for r in reqs)}  # fmt: skip
+    assert summarize(recs, 1.0)["images"] == {
+        "slots": sum(r.images for r in reqs),
+        "repeats": sum(r.image_repeats for r in reqs),
+    }
     assert "images" not in summarize(recs[:0], 1.0) and "expected_cache" not in summarize(recs, 1.0)

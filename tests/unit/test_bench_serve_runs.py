@@ -68,8 +68,9 @@ class Sim:
 
 
 def _args(*flags: str):
-    return build_parser().parse_args(["bench", "serve", "--model", "m", "--no-progress",
-                                      "--random-input-len", "4", *flags])  # fmt: skip
+    return build_parser().parse_args(
+        ["bench", "serve", "--model", "m", "--no-progress", "--random-input-len", "4", *flags]
+    )
 
 
 def _e2e(tokens: int) -> float:
@@ -78,13 +79,27 @@ def _e2e(tokens: int) -> float:
 
 async def test_sweep_over_rates_and_caps_is_exact_on_the_simulated_clock() -> None:
     sim = Sim()
-    args = _args("--num-prompts", "6", "--random-output-len", "5", "--sweep", "2,inf",
-                 "--sweep-concurrency", "1,3", "--seed", "9")  # fmt: skip
+    args = _args(
+        "--num-prompts",
+        "6",
+        "--random-output-len",
+        "5",
+        "--sweep",
+        "2,inf",
+        "--sweep-concurrency",
+        "1,3",
+        "--seed",
+        "9",
+    )
     doc = await bench_sweep(args, sim.io())
     assert doc["schema"] == "epd-bench-serve/2"
     runs = doc["runs"]
     assert [(r["request_rate"], r["max_concurrency"]) for r in runs] == [
-        (2.0, 1), (2.0, 3), ("inf", 1), ("inf", 3)]  # fmt: skip
+        (2.0, 1),
+        (2.0, 3),
+        ("inf", 1),
+        ("inf", 3),
+    ]
     # Cap 1: requests one after another, each exactly 50 ms to the first token, 20 ms per
     # token after, 135 ms in all; the Poisson gaps (fake sleeps) are spent before the
     # first request starts, as the dispatcher does not yield to the requests while sleeping.
@@ -104,8 +119,16 @@ async def test_sweep_over_rates_and_caps_is_exact_on_the_simulated_clock() -> No
 
 async def test_duration_cycles_the_dataset_and_stops_starting_at_the_deadline() -> None:
     sim = Sim()
-    args = _args("--num-prompts", "3", "--random-output-len", "5", "--max-concurrency", "1",
-                 "--duration", "1.0")  # fmt: skip
+    args = _args(
+        "--num-prompts",
+        "3",
+        "--random-output-len",
+        "5",
+        "--max-concurrency",
+        "1",
+        "--duration",
+        "1.0",
+    )
     doc = await bench_serve(args, sim.io())
     s = doc["summary"]
     # Starts at 0, 0.135, ... 0.945 (8 requests); the 9th would start at 1.08 > 1 s.
@@ -117,8 +140,18 @@ async def test_duration_cycles_the_dataset_and_stops_starting_at_the_deadline() 
 
 async def test_duration_under_a_rate_without_a_cap_is_bounded_by_the_arrivals() -> None:
     sim = Sim()
-    args = _args("--num-prompts", "2", "--random-output-len", "1", "--request-rate", "50",
-                 "--duration", "2.0", "--seed", "3")  # fmt: skip
+    args = _args(
+        "--num-prompts",
+        "2",
+        "--random-output-len",
+        "1",
+        "--request-rate",
+        "50",
+        "--duration",
+        "2.0",
+        "--seed",
+        "3",
+    )
     doc = await bench_serve(args, sim.io())
     gaps, t = arrival_gaps(1000, 50.0, 1.0, seed=3), 0.0
     started = 0
@@ -132,8 +165,20 @@ async def test_duration_under_a_rate_without_a_cap_is_bounded_by_the_arrivals() 
 
 async def test_paraphrase_follow_ups_start_after_every_seed_is_answered() -> None:
     sim = Sim()
-    args = _args("--dataset", "paraphrase", "--num-prompts", "20", "--random-output-len", "2",
-                 "--paraphrase-mix", "repeat:1", "--user", "run-a", "--header", "x-epd-cache:bypass")  # fmt: skip
+    args = _args(
+        "--dataset",
+        "paraphrase",
+        "--num-prompts",
+        "20",
+        "--random-output-len",
+        "2",
+        "--paraphrase-mix",
+        "repeat:1",
+        "--user",
+        "run-a",
+        "--header",
+        "x-epd-cache:bypass",
+    )
     doc = await bench_serve(args, sim.io())
     exp = doc["summary"]["expected_cache"]
     # The fake cache answers an exact repeat: every seed a miss, every repeat a hit.
@@ -151,18 +196,30 @@ async def test_paraphrase_follow_ups_start_after_every_seed_is_answered() -> Non
 
 async def test_a_paraphrase_sweep_gives_each_run_its_own_cache_tenant() -> None:
     sim = Sim()
-    args = _args("--dataset", "paraphrase", "--num-prompts", "4", "--random-output-len", "1",
-                 "--sweep", "inf,inf", "--user", "t")  # fmt: skip
+    args = _args(
+        "--dataset",
+        "paraphrase",
+        "--num-prompts",
+        "4",
+        "--random-output-len",
+        "1",
+        "--sweep",
+        "inf,inf",
+        "--user",
+        "t",
+    )
     await bench_sweep(args, sim.io())
     assert [b["user"] for b in sim.bodies] == ["t-0"] * 4 + ["t-1"] * 4
 
 
 def test_flag_combinations_that_cannot_run_are_refused() -> None:
-    for flags in (("--dataset", "paraphrase", "--duration", "5", "--max-concurrency", "2"),
-                  ("--duration", "5"),  # an infinite rate and no cap: endless burst
-                  ("--random-token-ids", "--endpoint", "chat"),
-                  ("--dataset", "random-mm", "--endpoint", "completions"),
-                  ("--header", "x-epd-cache")):  # fmt: skip
+    for flags in (
+        ("--dataset", "paraphrase", "--duration", "5", "--max-concurrency", "2"),
+        ("--duration", "5"),  # an infinite rate and no cap: endless burst
+        ("--random-token-ids", "--endpoint", "chat"),
+        ("--dataset", "random-mm", "--endpoint", "completions"),
+        ("--header", "x-epd-cache"),
+    ):
         with pytest.raises(SystemExit):
             asyncio.run(bench_serve(_args(*flags), Sim().io()))
     with pytest.raises(SystemExit):
@@ -176,8 +233,18 @@ def test_result_json_has_no_nan_infinity_or_secret(tmp_path) -> None:
     doc = asyncio.run(bench_serve(args, sim.io()))
     text = json.dumps(doc, allow_nan=False)  # raises on NaN or inf
     assert doc["config"]["request_rate"] == "inf" and "Infinity" not in text
-    args = _args("--num-prompts", "1", "--random-output-len", "1", "--api-key", "k1",
-                 "--header", "Authorization: Bearer k2", "--header", "x-a:b")  # fmt: skip
+    args = _args(
+        "--num-prompts",
+        "1",
+        "--random-output-len",
+        "1",
+        "--api-key",
+        "k1",
+        "--header",
+        "Authorization: Bearer k2",
+        "--header",
+        "x-a:b",
+    )
     doc = asyncio.run(bench_serve(args, Sim().io()))
     assert doc["config"]["header"] == ["Authorization:***", "x-a:b"]
     assert "k1" not in json.dumps(doc) and "k2" not in json.dumps(doc)
@@ -185,9 +252,17 @@ def test_result_json_has_no_nan_infinity_or_secret(tmp_path) -> None:
 
 def _run(rate: float | str, cap: int | None, base: float) -> dict:
     lat = {"mean": base, "p50": base, "p90": 2 * base, "p99": 3 * base}
-    return {"request_rate": rate, "max_concurrency": cap,
-            "summary": {"ttft_ms": lat, "tpot_ms": lat, "e2el_ms": lat,
-                        "output_throughput": 100.0 * (cap or 1), "request_throughput": 1.0 * (cap or 1)}}  # fmt: skip
+    return {
+        "request_rate": rate,
+        "max_concurrency": cap,
+        "summary": {
+            "ttft_ms": lat,
+            "tpot_ms": lat,
+            "e2el_ms": lat,
+            "output_throughput": 100.0 * (cap or 1),
+            "request_throughput": 1.0 * (cap or 1),
+        },
+    }
 
 
 @pytest.mark.slow  # matplotlib's first import builds its font cache
@@ -198,6 +273,8 @@ def test_plots_are_pngs_of_the_sweep(tmp_path) -> None:
     for p in paths:
         with Image.open(p) as img:
             assert img.format == "PNG" and img.size[0] >= 800
-    one = {"config": {"request_rate": math.inf, "max_concurrency": None},
-           "summary": _run("inf", None, 5)["summary"]}  # fmt: skip
+    one = {
+        "config": {"request_rate": math.inf, "max_concurrency": None},
+        "summary": _run("inf", None, 5)["summary"],
+    }
     assert [p.name for p in plot_runs(one, tmp_path / "one")] == ["latency_vs_rate.png"]

@@ -14,8 +14,13 @@ import vs_vllm  # noqa: E402
 
 
 def test_uniform_workloads_have_the_issue_shapes():
-    shapes = {"w64": (64, 128, 64, 1), "b1": (1, 16, 256, 1), "long": (16, 2000, 32, 1),
-              "decode": (32, 64, 512, 1), "w64_t2": (64, 128, 64, 2)}  # fmt: skip
+    shapes = {
+        "w64": (64, 128, 64, 1),
+        "b1": (1, 16, 256, 1),
+        "long": (16, 2000, 32, 1),
+        "decode": (32, 64, 512, 1),
+        "w64_t2": (64, 128, 64, 2),
+    }
     for name, (n, prompt_len, new, threads) in shapes.items():
         w = workloads.build(name)
         assert len(w.prompts) == n and {len(p) for p in w.prompts} == {prompt_len}
@@ -76,8 +81,12 @@ def test_parse_args_defaults_and_errors(tmp_path, capsys):
     args = vs_vllm.parse_args([])
     assert args.workloads == list(workloads.DEFAULT) and args.vllm_python is None
     assert vs_vllm.parse_args(["--workloads", " mixed, w64 "]).workloads == ["mixed", "w64"]
-    for bad in (["--workloads", "nope"], ["--rounds", "0"], ["--workloads", ","],
-                ["--vllm-python", str(tmp_path / "missing")]):  # fmt: skip
+    for bad in (
+        ["--workloads", "nope"],
+        ["--rounds", "0"],
+        ["--workloads", ","],
+        ["--vllm-python", str(tmp_path / "missing")],
+    ):
         with pytest.raises(SystemExit):
             vs_vllm.parse_args(bad)
     assert "nope" in capsys.readouterr().err
@@ -91,8 +100,14 @@ def test_vllm_thread_binding_follows_the_taskset_list():
 
 
 def test_parse_args_ab_options(tmp_path):
-    args = vs_vllm.parse_args(["--base-root", str(Path(__file__).resolve().parents[2]),
-                               "--ours-config", '{"max_num_batched_tokens": 4096}'])  # fmt: skip
+    args = vs_vllm.parse_args(
+        [
+            "--base-root",
+            str(Path(__file__).resolve().parents[2]),
+            "--ours-config",
+            '{"max_num_batched_tokens": 4096}',
+        ]
+    )
     assert args.ours_config == {"max_num_batched_tokens": 4096} and args.base_config == {}
     with pytest.raises(SystemExit):
         vs_vllm.parse_args(["--base-root", str(tmp_path)])  # no checkout there

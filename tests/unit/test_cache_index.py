@@ -54,8 +54,10 @@ def test_bulk_adds_build_the_graph_at_once():
         one_by_one.add("fp", k, v)
     assert len(bulk) == 120 and type(bulk._buckets["fp"]).__name__ == "Graph"
     for q in (0, 45, 119):
-        (key, score), (same, exact) = bulk.search("fp", vecs[q], 1, 0.5)[0], one_by_one.search(
-            "fp", vecs[q], 1, 0.5)[0]  # fmt: skip
+        (key, score), (same, exact) = (
+            bulk.search("fp", vecs[q], 1, 0.5)[0],
+            one_by_one.search("fp", vecs[q], 1, 0.5)[0],
+        )
         assert key == same == q and abs(score - exact) < 1e-3  # half-precision vectors
 
 

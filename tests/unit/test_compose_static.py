@@ -118,13 +118,18 @@ def test_healthchecks_and_healthy_dependencies(services):
     for name in EPD:
         deps = services[name]["depends_on"]
         assert {d: deps[d]["condition"] for d in ("nats", "redis")} == {
-            "nats": "service_healthy", "redis": "service_healthy"}  # fmt: skip
+            "nats": "service_healthy",
+            "redis": "service_healthy",
+        }
     assert "8222/healthz" in " ".join(services["nats"]["healthcheck"]["test"])
     assert "ping" in " ".join(services["redis"]["healthcheck"]["test"])
 
 
-@pytest.mark.parametrize("env", [{}, {"NATS_USER": "u1", "NATS_PASSWORD": "p1",
-                                      "REDIS_PASSWORD": "r1"}], ids=["defaults", "from-env"])  # fmt: skip
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"NATS_USER": "u1", "NATS_PASSWORD": "p1", "REDIS_PASSWORD": "r1"}],
+    ids=["defaults", "from-env"],
+)
 def test_credentials_match_on_both_ends(env):
     services = load("docker-compose.yml", env)["services"]
     nats_cmd, redis_cmd = services["nats"]["command"], services["redis"]["command"]
@@ -178,9 +183,15 @@ def test_gpu_overlay():
 
 def test_dockerfile_layers_and_ignore():
     lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines()]
-    at = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
-          for key in ("COPY --from=requirements /requirements.txt", "RUN pip install -r",
-                      "COPY services", "RUN pip install --no-deps")}  # fmt: skip
+    at = {
+        key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
+        for key in (
+            "COPY --from=requirements /requirements.txt",
+            "RUN pip install -r",
+            "COPY services",
+            "RUN pip install --no-deps",
+        )
+    }
     assert list(at.values()) == sorted(at.values()), "dependencies before the source"
     assert "ARG TORCH_VARIANT=cpu" in lines
     assert any("https://download.pytorch.org/whl/cpu" in ln for ln in lines)

@@ -38,9 +38,16 @@ def test_engine_config_rejects_out_of_bounds(kwargs, message):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(block_size=1), dict(block_size=128), dict(device="cuda:1"), dict(device="cpu"),
-     dict(dtype="bf16"), dict(num_kv_blocks=1, max_model_len=1), dict(load_format="dummy")],
-)  # fmt: skip
+    [
+        dict(block_size=1),
+        dict(block_size=128),
+        dict(device="cuda:1"),
+        dict(device="cpu"),
+        dict(dtype="bf16"),
+        dict(num_kv_blocks=1, max_model_len=1),
+        dict(load_format="dummy"),
+    ],
+)
 def test_engine_config_accepts_the_bounds(kwargs):
     config = EngineConfig(**kwargs)
     assert all(getattr(config, k) == v for k, v in kwargs.items())
@@ -63,8 +70,14 @@ def env(monkeypatch):
 
 
 def test_from_env_reads_typed_values(env):
-    env(EPD_BLOCK_SIZE="8", EPD_MAX_MODEL_LEN="1024", EPD_ENABLE_PREFIX_CACHING="off",
-        EPD_ENABLE_CHUNKED_PREFILL="Yes", EPD_DEVICE="cpu", EPD_MODEL="/models/x")  # fmt: skip
+    env(
+        EPD_BLOCK_SIZE="8",
+        EPD_MAX_MODEL_LEN="1024",
+        EPD_ENABLE_PREFIX_CACHING="off",
+        EPD_ENABLE_CHUNKED_PREFILL="Yes",
+        EPD_DEVICE="cpu",
+        EPD_MODEL="/models/x",
+    )
     config = EngineConfig.from_env()
     assert (config.block_size, config.max_model_len) == (8, 1024)
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is True
@@ -157,10 +170,14 @@ def test_gateway_config_reads_lists_from_env_and_hides_keys(monkeypatch):
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [(dict(http_port=70000), "http_port"), (dict(max_n=0), "max_n"),
-     (dict(max_body_mb=0), "max_body_mb"), (dict(media_timeout_s=0), "media_timeout_s"),
-     (dict(api_key=("",)), "api_key")],
-)  # fmt: skip
+    [
+        (dict(http_port=70000), "http_port"),
+        (dict(max_n=0), "max_n"),
+        (dict(max_body_mb=0), "max_body_mb"),
+        (dict(media_timeout_s=0), "media_timeout_s"),
+        (dict(api_key=("",)), "api_key"),
+    ],
+)
 def test_gateway_config_rejects_out_of_bounds(kwargs, message):
     from gateway.config import GatewayConfig
 

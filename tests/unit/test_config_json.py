@@ -25,14 +25,26 @@ def _autoconfig_facts(path):
     if not getattr(text, "use_sliding_window", True):
         window = None
     vision = getattr(cfg, "vision_config", None) is not None
-    return (text.max_position_embeddings, window, text.vocab_size, text.eos_token_id,
-            image_token_id(cfg) if vision else None, tokens_per_image(cfg) if vision else 0)  # fmt: skip
+    return (
+        text.max_position_embeddings,
+        window,
+        text.vocab_size,
+        text.eos_token_id,
+        image_token_id(cfg) if vision else None,
+        tokens_per_image(cfg) if vision else 0,
+    )
 
 
 def _ours(path):
     f = read_facts(json.loads((path / "config.json").read_text()))
-    return (f.max_position_embeddings, f.sliding_window, f.vocab_size, f.eos_token_id,
-            f.image_token_id, f.tokens_per_image)  # fmt: skip
+    return (
+        f.max_position_embeddings,
+        f.sliding_window,
+        f.vocab_size,
+        f.eos_token_id,
+        f.image_token_id,
+        f.tokens_per_image,
+    )
 
 
 def test_default_tables_are_transformers_defaults():
@@ -46,9 +58,14 @@ def test_default_tables_are_transformers_defaults():
         SiglipVisionConfig,
     )
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config, "clip_vision_model": CLIPVisionConfig,
-               "siglip_vision_model": SiglipVisionConfig}  # fmt: skip
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "clip_vision_model": CLIPVisionConfig,
+        "siglip_vision_model": SiglipVisionConfig,
+    }
     for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
         for kind, defaults in table.items():
             made = classes[kind]()
@@ -62,12 +79,17 @@ def test_default_tables_are_transformers_defaults():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda r: make_text_checkpoint(r, "llama"), lambda r: make_text_checkpoint(r, "qwen2"),
-     lambda r: make_text_checkpoint(r, "qwen3"), lambda r: make_text_checkpoint(r, "mistral"),
-     lambda r: make_llava_checkpoint(r), lambda r: make_llava_checkpoint(r, vision="siglip"),
-     lambda r: make_llava_checkpoint(r, strategy="full")],
+    [
+        lambda r: make_text_checkpoint(r, "llama"),
+        lambda r: make_text_checkpoint(r, "qwen2"),
+        lambda r: make_text_checkpoint(r, "qwen3"),
+        lambda r: make_text_checkpoint(r, "mistral"),
+        lambda r: make_llava_checkpoint(r),
+        lambda r: make_llava_checkpoint(r, vision="siglip"),
+        lambda r: make_llava_checkpoint(r, strategy="full"),
+    ],
     ids=["llama", "qwen2", "qwen3", "mistral", "llava-clip", "llava-siglip", "llava-full"],
-)  # fmt: skip
+)
 def test_saved_checkpoints_read_as_autoconfig_reads_them(tmp_path, make):
     path = make(tmp_path)
     assert _ours(path) == _autoconfig_facts(path)
@@ -76,17 +98,28 @@ def test_saved_checkpoints_read_as_autoconfig_reads_them(tmp_path, make):
 MINIMAL = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-    "qwen2-window": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-                     "use_sliding_window": True, "sliding_window": 4096},
+    "qwen2-window": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+    },
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
-    "llava": {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-              "text_config": {"vocab_size": 32064}, "vision_config": {"image_size": 336,
-                                                                      "patch_size": 14}},
-    "llava-siglip": {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-                     "image_token_id": 7, "vision_feature_select_strategy": "full",
-                     "text_config": {"model_type": "qwen2"},
-                     "vision_config": {"model_type": "siglip_vision_model"}},
-}  # fmt: skip
+    "llava": {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "text_config": {"vocab_size": 32064},
+        "vision_config": {"image_size": 336, "patch_size": 14},
+    },
+    "llava-siglip": {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_id": 7,
+        "vision_feature_select_strategy": "full",
+        "text_config": {"model_type": "qwen2"},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    },
+}
 
 
 @pytest.mark.parametrize("name", list(MINIMAL))

@@ -49,8 +49,10 @@ def test_burst_matches_step_by_step(tiny_root, threads, kind, over, rows, layout
     lens = [int(x) for x in torch.randint(1, 30, (rows,), generator=gen)]
     meta, pos = _burst_meta(lens, STEPS, kv.num_blocks, gen)
     tokens = torch.randint(0, embed.shape[0], (rows,), generator=gen)
-    base = [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
-            for k, v in kv.layers]  # fmt: skip
+    base = [
+        (torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
+        for k, v in kv.layers
+    ]
     caches_a = [(k.clone(), v.clone()) for k, v in base]
     caches_b = [(k.clone(), v.clone()) for k, v in base]
     with torch.inference_mode():
@@ -95,13 +97,18 @@ def test_left_to_the_callers_loop(tiny_root):
     with torch.inference_mode():
         n = GEMV_MAX_ROWS + 1
         meta, pos = _burst_meta([3] * n, 2, kv.num_blocks, gen)
-        assert be.decode_greedy(stack, embed, head, torch.ones(n, dtype=torch.long), pos,
-                                kv.layers, meta, 2) is None  # fmt: skip
+        assert (
+            be.decode_greedy(
+                stack, embed, head, torch.ones(n, dtype=torch.long), pos, kv.layers, meta, 2
+            )
+            is None
+        )
         meta, pos = _burst_meta([3], 2, kv.num_blocks, gen)
         one = torch.ones(1, dtype=torch.long)
         strided = torch.randn(head.shape[0], 2 * head.shape[1])[:, ::2]
         assert be.decode_greedy(stack, embed, strided, one, pos, kv.layers, meta, 2) is None
         assert be.decode_greedy(stack, embed, head, one, pos, kv.layers, meta, 0) is None
-        assert TorchBackend().decode_greedy(stack, embed, head, one, pos, kv.layers, meta,
-                                            2) is None  # fmt: skip
+        assert (
+            TorchBackend().decode_greedy(stack, embed, head, one, pos, kv.layers, meta, 2) is None
+        )
         assert be.decode_greedy(stack, embed, head, one, pos, kv.layers, meta, 2) is not None

@@ -67,9 +67,11 @@ def decode_meta(rows: list[list[int]], seq_lens) -> tuple[AttentionMetadata, tor
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor(rows, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=1, max_seq_len=max(seq_lens),
-        query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=list(seq_lens),
-    )  # fmt: skip
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
     return meta, torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
 
 
@@ -96,8 +98,10 @@ def test_fused_step_matches_layer_by_layer(tiny_root, threads, kind, over, rows)
     lens = [int(x) for x in torch.randint(1, 40, (rows,), generator=gen)]
     meta, positions = _step(lens, kv.num_blocks, gen)
     h = torch.randn(rows, model.config.hidden_size, generator=gen)
-    base = [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
-            for k, v in kv.layers]  # fmt: skip
+    base = [
+        (torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
+        for k, v in kv.layers
+    ]
     caches_a = [(k.clone(), v.clone()) for k, v in base]
     caches_b = [(k.clone(), v.clone()) for k, v in base]
     calls = []

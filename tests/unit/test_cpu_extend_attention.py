@@ -64,8 +64,9 @@ def test_the_plan_tiles_every_chunk_it_can_and_sends_other_long_ones_to_sdpa(be)
     of one it does not take (d = 40), long chunks past ROW_EXTEND_MAX go to torch and
     shorter ones per row; decode rows per row either way."""
     long_ctx = cpu_attention.ROW_EXTEND_MAX + 100
-    plan, tiled = _check(be, [1, 2, 30, 12, 1200], [90, 40, 30, long_ctx, long_ctx + 1200], 8,
-                         4, 64, seed=3)  # fmt: skip
+    plan, tiled = _check(
+        be, [1, 2, 30, 12, 1200], [90, 40, 30, long_ctx, long_ctx + 1200], 8, 4, 64, seed=3
+    )
     assert tiled == [1, 2, 3, 4] and plan.num_rows == 1 and plan.sdpa_meta is None
     plan, tiled = _check(be, [1, 12, 40], [90, 300, long_ctx], 8, 4, 40, seed=3)
     assert tiled == [] and plan.num_rows == 13

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from services.kernels import cpu_gemm
 from services.kernels.cpu_gemm import OneDnnGemm
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.packing_works(),
-                                reason="oneDNN's packed linear is not in this torch")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    not cpu_gemm.packing_works(), reason="oneDNN's packed linear is not in this torch"
+)
 
 
 def _column_major(n: int, k: int, seed: int) -> torch.Tensor:

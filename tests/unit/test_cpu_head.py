@@ -41,8 +41,9 @@ def test_the_bound_holds_on_every_logit(be, threads, scale, rows):
     s = screen.approximate(xb).double()
     xbd = xb.double()
     p, q = xbd.norm(dim=1), (xbd - x.double()).norm(dim=1) + screen.sums * xbd.norm(dim=1)
-    width = (p[:, None] * screen.err_norms.double() + q[:, None] * screen.norms.double()
-             + s.abs() / 255)  # fmt: skip
+    width = (
+        p[:, None] * screen.err_norms.double() + q[:, None] * screen.norms.double() + s.abs() / 255
+    )
     assert ((s - x.double() @ w.double().t()).abs() <= width).all()
 
 

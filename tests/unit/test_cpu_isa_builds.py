@@ -19,8 +19,10 @@ from services.kernels.cpu_attention import AttentionPlan
 from tests.unit.test_cpu_kernels import _meta
 
 _AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _AVX2,
-                                reason="an x86-64 CPU with AVX2 runs both builds")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not _AVX2,
+    reason="an x86-64 CPU with AVX2 runs both builds",
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +55,32 @@ def _inputs(hq, hkv, d, query_lens, seq_lens, seed):
     return q, kc, vc, meta, AttentionPlan(meta, kc, hq)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (8, 8, 64), (10, 2, 64), (16, 2, 128),
-                                      (8, 8, 128), (6, 2, 48)])  # fmt: skip
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(8, 4, 64), (8, 8, 64), (10, 2, 64), (16, 2, 128), (8, 8, 128), (6, 2, 48)]
+)
 def test_decode_attention_is_the_same_on_avx2(libs, hq, hkv, d):
     q, kc, vc, meta, plan = _inputs(hq, hkv, d, [1] * 6, [1, 7, 8, 9, 130, 333], seed=hq * d)
     p = cpu_native.ptr
     outs = []
     for lib in libs:
         out = torch.zeros_like(q)
-        rc = lib.epd_decode_attention(p(out), p(q), p(kc), p(vc), p(plan.tables),
-                                      plan.tables.stride(0), p(plan.lens), p(plan.rows),
-                                      p(plan.seqs), plan.num_rows, hq, hkv, d, 16, d**-0.5)  # fmt: skip
+        rc = lib.epd_decode_attention(
+            p(out),
+            p(q),
+            p(kc),
+            p(vc),
+            p(plan.tables),
+            plan.tables.stride(0),
+            p(plan.lens),
+            p(plan.rows),
+            p(plan.seqs),
+            plan.num_rows,
+            hq,
+            hkv,
+            d,
+            16,
+            d**-0.5,
+        )
         assert rc == 0
         outs.append(out)
     assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
@@ -76,9 +93,21 @@ def test_prefill_tiles_are_the_same_on_avx2(libs, hq, hkv, d):
     outs = []
     for lib in libs:
         out = torch.zeros_like(q)
-        rc = lib.epd_extend_attention(p(out), p(q), p(kc), p(vc), p(plan.tables),
-                                      plan.tables.stride(0), p(plan.units), plan.units.shape[0],
-                                      hq, hkv, d, 16, d**-0.5)  # fmt: skip
+        rc = lib.epd_extend_attention(
+            p(out),
+            p(q),
+            p(kc),
+            p(vc),
+            p(plan.tables),
+            plan.tables.stride(0),
+            p(plan.units),
+            plan.units.shape[0],
+            hq,
+            hkv,
+            d,
+            16,
+            d**-0.5,
+        )
         assert rc == 0
         outs.append(out)
     assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])

@@ -49,9 +49,11 @@ def _meta(query_lens, seq_lens, num_blocks, bs, gen) -> AttentionMetadata:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=wide[:, 2:],  # strided, like a slice of a wider table
         slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-    )  # fmt: skip
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
 
 
 # GQA groups of 1, 2, 3, 5 and 8 at head size 64 and 128: every way the decode kernel
@@ -92,8 +94,9 @@ def test_attention_long_contexts_and_many_sequences(be, threads):
     meta = _meta(query_lens, lens, 2048, 16, gen)
     kc, vc = torch.randn(2, 2048, 16, 2, 64, generator=gen)
     q = torch.randn(sum(query_lens), 8, 64, generator=gen)
-    torch.testing.assert_close(be.attention(q, kc, vc, meta, 0.125),
-                               ref.attention(q, kc, vc, meta, 0.125), **TOL)  # fmt: skip
+    torch.testing.assert_close(
+        be.attention(q, kc, vc, meta, 0.125), ref.attention(q, kc, vc, meta, 0.125), **TOL
+    )
 
 
 def test_attention_rejects_tables_that_would_read_out_of_bounds(be):

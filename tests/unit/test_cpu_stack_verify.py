@@ -41,8 +41,10 @@ def _verify_step(qs: list[int], ctx: list[int], num_blocks: int, gen):
 
 def _caches(kv, gen, copies: int = 2):
     """``copies`` identical sets of random K/V caches."""
-    base = [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
-            for k, v in kv.layers]  # fmt: skip
+    base = [
+        (torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
+        for k, v in kv.layers
+    ]
     return [[(k.clone(), v.clone()) for k, v in base] for _ in range(copies)]
 
 
@@ -61,8 +63,9 @@ def test_verify_rows_match_the_extend_path(tiny_root, threads, kind, over, qs):
     llm = _llm(tiny_root, kind, over)
     model, kv = llm.engine.model, llm.engine.kv
     gen = torch.Generator().manual_seed(len(qs) * 7 + qs[0])
-    ctx = [int(x) + q for x, q in zip(torch.randint(1, 30, (len(qs),), generator=gen), qs,
-                                      strict=True)]  # fmt: skip
+    ctx = [
+        int(x) + q for x, q in zip(torch.randint(1, 30, (len(qs),), generator=gen), qs, strict=True)
+    ]
     pos, rows, extend, keep = _verify_step(qs, ctx, kv.num_blocks, gen)
     h = torch.randn(len(pos), model.config.hidden_size, generator=gen)
     caches_a, caches_b, caches_c = _caches(kv, gen, 3)

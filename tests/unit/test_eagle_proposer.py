@@ -34,8 +34,7 @@ def heads(tmp_path_factory, target):
 
 
 def _load(heads, target, kind: str, parallel: bool, backend=None) -> Eagle3Proposer:
-    return Eagle3Proposer.load(heads[kind], target, "cpu", torch.float32, parallel,
-                               backend=backend)  # fmt: skip
+    return Eagle3Proposer.load(heads[kind], target, "cpu", torch.float32, parallel, backend=backend)
 
 
 def _request(target, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
@@ -80,8 +79,9 @@ def test_batched_drafts_equal_the_head_recomputed_from_scratch(
         [(ids, rows, rows[-2:]) for ids, rows in reqs],  # 2 accepted tokens' rows
     ]
     for reqs_now in rounds:
-        got = prop.propose([ProposeInput(f"r{i}", ids, new) for i, (ids, _, new)
-                            in enumerate(reqs_now)], K)  # fmt: skip
+        got = prop.propose(
+            [ProposeInput(f"r{i}", ids, new) for i, (ids, _, new) in enumerate(reqs_now)], K
+        )
         with torch.inference_mode():
             want = [_reference(prop.head, ids, rows, K, parallel) for ids, rows, _ in reqs_now]
         assert got == want
@@ -163,7 +163,12 @@ def test_parallel_drafting_needs_a_peagle_head(heads, target):
 
 
 def test_a_head_for_another_target_is_refused_at_load(heads, target):
-    other = AutoConfig.for_model("llama", hidden_size=96, vocab_size=target.vocab_size,
-                                 num_hidden_layers=4, num_attention_heads=4)  # fmt: skip
+    other = AutoConfig.for_model(
+        "llama",
+        hidden_size=96,
+        vocab_size=target.vocab_size,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+    )
     with pytest.raises(DraftHeadError, match="hidden size"):
         Eagle3Proposer.load(heads["eagle3"], other, "cpu", torch.float32, False)

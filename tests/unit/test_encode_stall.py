@@ -49,8 +49,12 @@ async def test_the_wait_ends_with_the_stall_not_with_the_reply():
     encoder = _encoder(Clock(), steps_then=4, steps_now=4)
     asked = time.monotonic() - 2 * STALL_S
     with pytest.raises(WorkerLost, match="encode instance e0: no embedding"):
-        await while_alive(never, lambda: True, lambda: WorkerLost("encode", "e0", "gone"),
-                          stalled=lambda: encoder._stalled("e0", asked))  # fmt: skip
+        await while_alive(
+            never,
+            lambda: True,
+            lambda: WorkerLost("encode", "e0", "gone"),
+            stalled=lambda: encoder._stalled("e0", asked),
+        )
     assert never.cancelled()
 
 

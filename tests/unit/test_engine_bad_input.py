@@ -62,14 +62,29 @@ def _unknown_arch(path):
 
 
 BAD_CHECKPOINTS = [
-    ("unknown-arch", _unknown_arch, UnsupportedModelError, "unsupported architecture ['FooForCausalLM']"),
+    (
+        "unknown-arch",
+        _unknown_arch,
+        UnsupportedModelError,
+        "unsupported architecture ['FooForCausalLM']",
+    ),
     ("truncated", _truncate, CheckpointError, "cannot read weights from model.safetensors"),
     ("garbage", _garbage, CheckpointError, "cannot read weights from model.safetensors"),
-    ("no-weights", lambda p: (p / "model.safetensors").unlink(), CheckpointError, "no *.safetensors weights"),
+    (
+        "no-weights",
+        lambda p: (p / "model.safetensors").unlink(),
+        CheckpointError,
+        "no *.safetensors weights",
+    ),
     ("missing-weight", _drop_a_weight, CheckpointError, "layers.1.mlp.down_proj.weight"),
     ("no-config", lambda p: (p / "config.json").unlink(), CheckpointError, "no config.json"),
-    ("bad-config", lambda p: (p / "config.json").write_text("{oops"), CheckpointError, "config.json is not valid JSON"),
-]  # fmt: skip
+    (
+        "bad-config",
+        lambda p: (p / "config.json").write_text("{oops"),
+        CheckpointError,
+        "config.json is not valid JSON",
+    ),
+]
 
 
 @pytest.mark.parametrize("name,change,error,message", BAD_CHECKPOINTS)

@@ -21,8 +21,13 @@ def one_thread():
 
 @pytest.fixture(scope="module", params=["cpu", "torch"])
 def llm(request, llama_ckpt, one_thread):
-    llm = LLM(str(llama_ckpt), block_size=4, num_kv_blocks=256, attention_backend=request.param,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        str(llama_ckpt),
+        block_size=4,
+        num_kv_blocks=256,
+        attention_backend=request.param,
+        enable_prefix_caching=False,
+    )
     assert llm.engine.backend.name == request.param
     return llm
 
@@ -80,23 +85,31 @@ def test_bursts_give_the_tokens_of_single_steps(llm, n):
 def test_stops_mid_burst(llm):
     base = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     ids = _generate(llm, PROMPTS[:1], base, 1)[0].outputs[0].token_ids
-    for kw in ({"stop_token_ids": [ids[6]]}, {"stop": [_generate(
-            llm, PROMPTS[:1], base, 1)[0].outputs[0].text[12:15]]}):  # fmt: skip
+    for kw in (
+        {"stop_token_ids": [ids[6]]},
+        {"stop": [_generate(llm, PROMPTS[:1], base, 1)[0].outputs[0].text[12:15]]},
+    ):
         params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, **kw)
         want = _generate(llm, PROMPTS[:1], params, 1)[0].outputs[0]
         got = _generate(llm, PROMPTS[:1], params, 4)[0].outputs[0]
         assert want.finish_reason == "stop" and len(want.token_ids) < 14
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
-            want.token_ids, want.text, want.finish_reason, want.stop_reason)  # fmt: skip
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        )
     assert llm.engine.block_manager.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_batches_that_need_more_per_token_do_not_burst(llm):
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6)
     greedy = SamplingParams(temperature=0, max_tokens=6)
-    for params in ([greedy, sampled], SamplingParams(temperature=0, max_tokens=6, logprobs=2),
-                   SamplingParams(temperature=0, max_tokens=6, min_tokens=6,
-                                  repetition_penalty=1.3)):  # fmt: skip
+    for params in (
+        [greedy, sampled],
+        SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=6, repetition_penalty=1.3),
+    ):
         want = _generate(llm, PROMPTS[:2], params, 1)
         with _Count(llm) as c:
             got = _generate(llm, PROMPTS[:2], params, 4)

@@ -19,13 +19,21 @@ from gateway.rest.protocol import Unsupported
         (ModelNotFoundError("no such model"), "NOT_FOUND", 404, "model"),
         (InvalidRequest("too many stop strings", "stop"), "INVALID_ARGUMENT", 400, "stop"),
         (Unsupported("tools", "tool calling"), "INVALID_ARGUMENT", 400, "tools"),
-        (ValueError("temperature must be in [0, 100], got -1"), "INVALID_ARGUMENT", 400,
-         "temperature"),
-        (ValueError("prompt needs 99 KV blocks; the pool has 8"), "INVALID_ARGUMENT", 400,
-         "prompt"),
+        (
+            ValueError("temperature must be in [0, 100], got -1"),
+            "INVALID_ARGUMENT",
+            400,
+            "temperature",
+        ),
+        (
+            ValueError("prompt needs 99 KV blocks; the pool has 8"),
+            "INVALID_ARGUMENT",
+            400,
+            "prompt",
+        ),
         (RuntimeError("boom"), "INTERNAL", 500, None),
     ],
-)  # fmt: skip
+)
 def test_classify(error, code, status, param):
     failure = classify(error)
     assert (failure.code, failure.http_status, failure.param) == (code, status, param)

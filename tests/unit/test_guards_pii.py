@@ -16,8 +16,10 @@ def kinds(text: str, **cfg) -> list[str]:
     return [f.kind for f in PiiDetector(PiiGuard(**cfg)).find(text)]
 
 
-@pytest.mark.parametrize("number", ["4111111111111111", "5555555555554444", "378282246310005",
-                                    "6011111111111117", "79927398713"])  # fmt: skip
+@pytest.mark.parametrize(
+    "number",
+    ["4111111111111111", "5555555555554444", "378282246310005", "6011111111111117", "79927398713"],
+)
 def test_luhn_accepts_valid_numbers(number):
     assert luhn_ok(number)
 
@@ -27,15 +29,27 @@ def test_luhn_refuses_one_digit_off(number):
     assert not luhn_ok(number)
 
 
-@pytest.mark.parametrize("iban", ["GB82 WEST 1234 5698 7654 32", "DE89370400440532013000",
-                                  "FR1420041010050500013M02606", "NL91ABNA0417164300"])  # fmt: skip
+@pytest.mark.parametrize(
+    "iban",
+    [
+        "GB82 WEST 1234 5698 7654 32",
+        "DE89370400440532013000",
+        "FR1420041010050500013M02606",
+        "NL91ABNA0417164300",
+    ],
+)
 def test_iban_checksum_and_length(iban):
     assert iban_ok(iban)
 
 
-@pytest.mark.parametrize("iban", ["GB83 WEST 1234 5698 7654 32",  # check digits off by one
-                                  "DE8937040044053201300",  # one character short for DE
-                                  "GB12 ABCD 1234 5678 9012 34"])  # fmt: skip
+@pytest.mark.parametrize(
+    "iban",
+    [
+        "GB83 WEST 1234 5698 7654 32",  # check digits off by one
+        "DE8937040044053201300",  # one character short for DE
+        "GB12 ABCD 1234 5678 9012 34",
+    ],
+)
 def test_iban_refused(iban):
     assert not iban_ok(iban)
 
@@ -46,15 +60,28 @@ def test_cards_only_with_a_valid_checksum():
     assert kinds("order number 4111 1111 1111 1112, where is it?") == []
 
 
-@pytest.mark.parametrize("text", ["call me on (415) 555-0132", "ring +44 20 7946 0958",
-                                  "my mobile is 07911 123456", "text 415-555-0178 later"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "call me on (415) 555-0132",
+        "ring +44 20 7946 0958",
+        "my mobile is 07911 123456",
+        "text 415-555-0178 later",
+    ],
+)
 def test_phone_numbers(text):
     assert kinds(text) == ["phone"]
 
 
-@pytest.mark.parametrize("text", ["the year 2024 had 8760 hours", "use version 3.12.1 on port 8080",
-                                  "the meeting is on 2024-05-17 at 14:30 in room 204",
-                                  "ISBN 978-3-16-148410-0"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the year 2024 had 8760 hours",
+        "use version 3.12.1 on port 8080",
+        "the meeting is on 2024-05-17 at 14:30 in room 204",
+        "ISBN 978-3-16-148410-0",
+    ],
+)
 def test_numbers_that_are_no_pii(text):
     assert kinds(text) == []
 
@@ -85,9 +112,16 @@ guards: {{pii: {{action: {action}}}, jailbreak: {{action: allow}}}}
 
 
 async def test_actions_redact_copies_and_block_names_kinds():
-    messages = [{"role": "system", "content": "reach ops@corp.example"},
-                {"role": "user", "content": [{"type": "text", "text": "I am bob@example.org"},
-                                             {"type": "image", "image": b"x"}]}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "reach ops@corp.example"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "I am bob@example.org"},
+                {"type": "image", "image": b"x"},
+            ],
+        },
+    ]
     redacted = check_pii(await compile_state(config("redact"), None), messages, None)
     assert redacted.action == "redact" and redacted.kinds == ["email"]
     assert redacted.messages[1]["content"][0]["text"] == "I am [EMAIL]"

@@ -47,7 +47,7 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
     SamplingParams(
         temperature=0.9, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True, repetition_penalty=1.3
-    ),  # fmt: skip
+    ),
 ]
 
 

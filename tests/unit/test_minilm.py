@@ -31,16 +31,20 @@ def bf16() -> SentenceEmbedder:
 
 
 def _questions(n: int) -> list[str]:
-    rows = [json.loads(line) for line in (DATA / "semantic_cache_pairs.jsonl").read_text().splitlines()
-            if line.strip()]  # fmt: skip
+    rows = [
+        json.loads(line)
+        for line in (DATA / "semantic_cache_pairs.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return [q for r in rows[: n // 2] for q in (r["a"], r["b"])]
 
 
 @torch.inference_mode()
 def _reference(embedder: SentenceEmbedder, texts: list[str]) -> np.ndarray:
     """The sentence-transformers recipe over transformers' own BertModel forward."""
-    batch = embedder.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS,
-                               return_tensors="pt")  # fmt: skip
+    batch = embedder.tokenizer(
+        texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+    )
     hidden = embedder.model(**batch).last_hidden_state
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -61,8 +65,11 @@ def test_a_padded_batch_matches_bert(embedder):
 
 
 def test_bf16_cosines_of_the_labelled_pairs_stay_within_their_bound(bf16):
-    rows = [json.loads(line) for line in (DATA / "semantic_cache_pairs.jsonl").read_text().splitlines()
-            if line.strip()]  # fmt: skip
+    rows = [
+        json.loads(line)
+        for line in (DATA / "semantic_cache_pairs.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     a, b = [r["a"] for r in rows], [r["b"] for r in rows]
     ours = (bf16(a) * bf16(b)).sum(1)
     ref = (_reference(bf16, a) * _reference(bf16, b)).sum(1)

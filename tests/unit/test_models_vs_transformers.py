@@ -61,9 +61,11 @@ def threads(request):
 
 
 @pytest.mark.parametrize(
-    "backend,threads", [("cpu", None), ("cpu", 1), ("torch", None)],
-    ids=["cpu", "cpu-1-thread", "torch"], indirect=["threads"],
-)  # fmt: skip
+    "backend,threads",
+    [("cpu", None), ("cpu", 1), ("torch", None)],
+    ids=["cpu", "cpu-1-thread", "torch"],
+    indirect=["threads"],
+)
 @pytest.mark.parametrize("kind", TEXT_ARCHS)
 def test_text_greedy_matches_transformers(kind, backend, threads, ckpt_root):
     path = make_text_checkpoint(ckpt_root, kind)
@@ -79,15 +81,19 @@ def test_text_greedy_matches_transformers(kind, backend, threads, ckpt_root):
     assert sum(o.num_cached_tokens for o in again) > 0
     assert llm.engine.block_manager.prefix_hit_tokens > 0
     # Without logprobs a greedy step takes the head's argmax directly (greedy_head).
-    plain = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         SamplingParams(temperature=0, max_tokens=MAX_NEW))  # fmt: skip
+    plain = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW),
+    )
     assert [o.outputs[0].token_ids for o in plain] == [ids for ids, _ in refs]
     # Multi-step scheduling: after the prefill step, bursts of 4 decode steps (on the cpu
     # backend in one native call), alone and in a batch.
     llm.engine.config.num_scheduler_steps = 4
     for batch in (prompts[:1], prompts):
-        burst = llm.generate([{"prompt_token_ids": p} for p in batch],
-                             SamplingParams(temperature=0, max_tokens=MAX_NEW))  # fmt: skip
+        burst = llm.generate(
+            [{"prompt_token_ids": p} for p in batch],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW),
+        )
         assert [o.outputs[0].token_ids for o in burst] == [ids for ids, _ in refs[: len(batch)]]
 
 

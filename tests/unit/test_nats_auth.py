@@ -19,15 +19,22 @@ from services.urls import redact, split_userinfo
 
 @pytest.mark.parametrize(
     "url,masked",
-    [("nats://alice:pw@h:4222", "nats://alice:***@h:4222"),
-     ("nats://tok@h:4222", "nats://***@h:4222"),
-     ("nats://u:p@a:1,nats://u:p@b:2", "nats://u:***@a:1,nats://u:***@b:2"),
-     ("nats://u:p@ss@h:1", "nats://u:***@h:1"),  # a raw "@" in the password
-     ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
-     ("redis+sentinel://:pw@h1:1,h2:2/m/0?sentinel_password=x&db=1",
-      "redis+sentinel://:***@h1:1,h2:2/m/0?sentinel_password=***&db=1"),
-     ("error connecting to redis://127.0.0.1:6379/0", "error connecting to redis://127.0.0.1:6379/0")],
-)  # fmt: skip
+    [
+        ("nats://alice:pw@h:4222", "nats://alice:***@h:4222"),
+        ("nats://tok@h:4222", "nats://***@h:4222"),
+        ("nats://u:p@a:1,nats://u:p@b:2", "nats://u:***@a:1,nats://u:***@b:2"),
+        ("nats://u:p@ss@h:1", "nats://u:***@h:1"),  # a raw "@" in the password
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        (
+            "redis+sentinel://:pw@h1:1,h2:2/m/0?sentinel_password=x&db=1",
+            "redis+sentinel://:***@h1:1,h2:2/m/0?sentinel_password=***&db=1",
+        ),
+        (
+            "error connecting to redis://127.0.0.1:6379/0",
+            "error connecting to redis://127.0.0.1:6379/0",
+        ),
+    ],
+)
 def test_redact_masks_passwords_tokens_and_secret_parameters(url: str, masked: str) -> None:
     assert redact(url) == masked
 
@@ -51,11 +58,13 @@ def test_bus_config_moves_url_credentials_into_auth() -> None:
 
 @pytest.mark.parametrize(
     "servers,auth,message",
-    [(("nats://a:pw@h:1", "nats://b:pw@h:2"), NatsAuth(), "different credentials"),
-     (("nats://a:pw@h:1",), NatsAuth(token="t"), "both in a URL and separately"),
-     (("nats://:pw@h:1",), NatsAuth(), "password needs a user"),
-     (("nats://a:@h:1",), NatsAuth(), "non-empty password")],
-)  # fmt: skip
+    [
+        (("nats://a:pw@h:1", "nats://b:pw@h:2"), NatsAuth(), "different credentials"),
+        (("nats://a:pw@h:1",), NatsAuth(token="t"), "both in a URL and separately"),
+        (("nats://:pw@h:1",), NatsAuth(), "password needs a user"),
+        (("nats://a:@h:1",), NatsAuth(), "non-empty password"),
+    ],
+)
 def test_inconsistent_url_credentials_are_refused(servers, auth, message) -> None:
     with pytest.raises(ValueError, match=message):
         BusConfig(servers=servers, auth=auth)
@@ -63,12 +72,14 @@ def test_inconsistent_url_credentials_are_refused(servers, auth, message) -> Non
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [(dict(user="a", token="t", password="p"), "not both"),
-     (dict(token=""), "no empty token"),
-     (dict(creds_file="a.creds", nkey_seed_file="a.nk"), "creds file or an nkey seed"),
-     (dict(tls_cert="c.pem"), "certificate and key go together"),
-     (dict(tls_key="k.pem"), "certificate and key go together")],
-)  # fmt: skip
+    [
+        (dict(user="a", token="t", password="p"), "not both"),
+        (dict(token=""), "no empty token"),
+        (dict(creds_file="a.creds", nkey_seed_file="a.nk"), "creds file or an nkey seed"),
+        (dict(tls_cert="c.pem"), "certificate and key go together"),
+        (dict(tls_key="k.pem"), "certificate and key go together"),
+    ],
+)
 def test_nats_auth_refuses_combinations_that_cannot_work(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         NatsAuth(**kwargs)
@@ -123,12 +134,14 @@ async def test_a_refusal_during_the_first_connect_is_reported_once() -> None:
 
 @pytest.mark.parametrize(
     "exc,refusal",
-    [(nats.errors.Error("nats: 'Authorization Violation'"), True),
-     (nats.errors.Error("nats: 'Authentication Timeout'"), True),
-     (ssl.SSLCertVerificationError("certificate verify failed"), True),
-     (nats.errors.SecureConnWantedError(), True),
-     (ConnectionRefusedError(111, "Connection refused"), False),
-     (nats.errors.Error("nats: stale connection"), False)],
-)  # fmt: skip
+    [
+        (nats.errors.Error("nats: 'Authorization Violation'"), True),
+        (nats.errors.Error("nats: 'Authentication Timeout'"), True),
+        (ssl.SSLCertVerificationError("certificate verify failed"), True),
+        (nats.errors.SecureConnWantedError(), True),
+        (ConnectionRefusedError(111, "Connection refused"), False),
+        (nats.errors.Error("nats: stale connection"), False),
+    ],
+)
 def test_only_refusals_cut_the_first_connect_short(exc: BaseException, refusal: bool) -> None:
     assert is_refusal(exc) is refusal

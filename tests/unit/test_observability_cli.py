@@ -79,7 +79,10 @@ def test_json_line_carries_service_instance_and_the_request_id_of_its_task():
     asyncio.run(main())
     lines = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert [(ln["service"], ln["instance"], ln["request_id"]) for ln in lines] == [
-        ("prefill", "prefill-7", "req-a"), ("prefill", "prefill-7", "req-b"), ("", "", "")]  # fmt: skip
+        ("prefill", "prefill-7", "req-a"),
+        ("prefill", "prefill-7", "req-b"),
+        ("", "", ""),
+    ]
     assert lines[0]["level"] == "INFO" and lines[0]["logger"] == logger.name
     assert lines[0]["message"] == "working on it" and lines[0]["time"].endswith("+00:00")
 
@@ -87,8 +90,11 @@ def test_json_line_carries_service_instance_and_the_request_id_of_its_task():
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_passwords_are_masked_in_every_format(fmt):
     logger, buf = _capture(fmt)
-    logger.info("connecting to %s and %s", "nats://bob:hunter2@h:4222",
-                "redis://:pa55word@r:6379/0?sentinel_password=s3nt")  # fmt: skip
+    logger.info(
+        "connecting to %s and %s",
+        "nats://bob:hunter2@h:4222",
+        "redis://:pa55word@r:6379/0?sentinel_password=s3nt",
+    )
     try:
         raise ValueError("failed: rediss://:pa55word@r:6380")
     except ValueError:

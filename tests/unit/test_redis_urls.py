@@ -21,28 +21,36 @@ def pem(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize(
     "url",
-    ["redis://127.0.0.1:6379/0", "redis://:pw@h:6379/1", "redis://user:pw@h", "rediss://h:6380/0",
-     "unix:///run/redis.sock?db=2", "redis+sentinel://h1:26379,h2:26379/mymaster",
-     "rediss+sentinel://:pw@h1:26379/mymaster/3?sentinel_password=s&ssl_cert_reqs=none",
-     "redis://h/0?db=3"],
-)  # fmt: skip
+    [
+        "redis://127.0.0.1:6379/0",
+        "redis://:pw@h:6379/1",
+        "redis://user:pw@h",
+        "rediss://h:6380/0",
+        "unix:///run/redis.sock?db=2",
+        "redis+sentinel://h1:26379,h2:26379/mymaster",
+        "rediss+sentinel://:pw@h1:26379/mymaster/3?sentinel_password=s&ssl_cert_reqs=none",
+        "redis://h/0?db=3",
+    ],
+)
 def test_accepted_urls(url: str) -> None:
     check_redis_url(url)
 
 
 @pytest.mark.parametrize(
     "url,message",
-    [("http://:pw@h:6379", "must be redis://"),
-     ("redis://h/0?socket_timeout=30", "unsupported query parameters"),
-     ("redis://h/0?ssl_cert_reqs=none", "need rediss://"),
-     ("redis://h/0?sentinel_password=x", "unsupported query parameters"),
-     ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
-     ("rediss://h/0?ssl_check_hostname=perhaps", "ssl_check_hostname must be"),
-     ("rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", "not found"),
-     ("redis+sentinel://h1/mymaster", "host:port pairs"),
-     ("redis+sentinel://h1:26379", "/<master-name>"),
-     ("redis+sentinel://h1:26379/m/x", "/<master-name>")],
-)  # fmt: skip
+    [
+        ("http://:pw@h:6379", "must be redis://"),
+        ("redis://h/0?socket_timeout=30", "unsupported query parameters"),
+        ("redis://h/0?ssl_cert_reqs=none", "need rediss://"),
+        ("redis://h/0?sentinel_password=x", "unsupported query parameters"),
+        ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
+        ("rediss://h/0?ssl_check_hostname=perhaps", "ssl_check_hostname must be"),
+        ("rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", "not found"),
+        ("redis+sentinel://h1/mymaster", "host:port pairs"),
+        ("redis+sentinel://h1:26379", "/<master-name>"),
+        ("redis+sentinel://h1:26379/m/x", "/<master-name>"),
+    ],
+)
 def test_refused_urls_say_why_without_the_password(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:
         check_redis_url(url)
@@ -58,7 +66,10 @@ def test_client_certificate_and_key_go_together(pem: str) -> None:
 def test_sentinel_address() -> None:
     url = "redis+sentinel://:pw@10.0.0.1:26379, sentinel-b:26380,[::1]:26381/my%2Dmaster/2"
     assert sentinel_address(url) == (
-        [("10.0.0.1", 26379), ("sentinel-b", 26380), ("::1", 26381)], "my-master", 2)  # fmt: skip
+        [("10.0.0.1", 26379), ("sentinel-b", 26380), ("::1", 26381)],
+        "my-master",
+        2,
+    )
     assert sentinel_address("redis+sentinel://h:1/m?db=4")[1:] == ("m", 4)
     assert sentinel_address("redis+sentinel://h:1/m")[1:] == ("m", 0)
 
@@ -78,15 +89,16 @@ async def test_plain_and_tls_urls_build_plain_clients_with_the_callers_options(p
 
 
 async def test_sentinel_url_builds_a_master_client(pem: str) -> None:
-    url = (f"rediss+sentinel://app:p%40w@s1:26379,s2:26379/mymaster/3"
-           f"?sentinel_password=spw&ssl_ca_certs={pem}&ssl_check_hostname=false")  # fmt: skip
+    url = (
+        f"rediss+sentinel://app:p%40w@s1:26379,s2:26379/mymaster/3"
+        f"?sentinel_password=spw&ssl_ca_certs={pem}&ssl_check_hostname=false"
+    )
     client = redis_client(url, socket_timeout=0.5, socket_connect_timeout=0.25)
     pool = client.connection_pool
     assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "mymaster"
     kw = pool.connection_kwargs
     assert (kw["username"], kw["password"], kw["db"]) == ("app", "p@w", 3)
-    assert (kw["ssl_ca_certs"], kw["ssl_check_hostname"], kw["socket_timeout"]) == (
-        pem, False, 0.5)  # fmt: skip
+    assert (kw["ssl_ca_certs"], kw["ssl_check_hostname"], kw["socket_timeout"]) == (pem, False, 0.5)
     assert "SSL" in pool.connection_class.__name__
     sentinels = client.sentinel.sentinels
     assert [s.connection_pool.connection_kwargs["port"] for s in sentinels] == [26379, 26379]

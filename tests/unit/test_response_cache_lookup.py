@@ -59,8 +59,12 @@ def _setup(
 ) -> tuple[ResponseCache, ScriptedCache, PreparedRequest]:
     client = ScriptedCache(exact_hit, embedding_on)
     cache = ResponseCache(client, SemanticCacheConfig(), "model-fp")
-    prep = PreparedRequest("req-1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8),
-                           messages=[{"role": "user", "content": "how tall is it?"}])  # fmt: skip
+    prep = PreparedRequest(
+        "req-1",
+        [1, 2, 3],
+        SamplingParams(temperature=0, max_tokens=8),
+        messages=[{"role": "user", "content": "how tall is it?"}],
+    )
     return cache, client, prep
 
 

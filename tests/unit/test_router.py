@@ -33,8 +33,11 @@ def _router(ids=("d0", "d1"), clock=None, model="m", **api) -> Router:
 
 
 def beat(registry, iid, role="decode", running=0, draining=False, model="m") -> None:
-    registry.record(bus_pb2.Heartbeat(role=role, instance_id=iid, running=running,
-                                      draining=draining, model=model))  # fmt: skip
+    registry.record(
+        bus_pb2.Heartbeat(
+            role=role, instance_id=iid, running=running, draining=draining, model=model
+        )
+    )
 
 
 @pytest.mark.parametrize("policy", ["least_loaded", "prefix_aware", "power_of_two"])
@@ -73,8 +76,9 @@ def test_heartbeat_load_of_other_gateways_counts():
 
 def test_breaker_skips_a_failing_instance_for_its_cooloff():
     clock = Clock()
-    router = _router(clock=clock, router_policy="round_robin", breaker_failures=3,
-                     breaker_cooloff_s=10)  # fmt: skip
+    router = _router(
+        clock=clock, router_policy="round_robin", breaker_failures=3, breaker_cooloff_s=10
+    )
     for _ in range(3):
         router.failed("decode", "d0")
     assert {router.pick("decode").instance_id for _ in range(6)} == {"d1"}
@@ -100,8 +104,7 @@ def test_consistent_hash_keeps_sessions_and_moves_only_the_lost_ones():
     other_gateway = _router(ids=("d0", "d1", "d2", "d3"), router_policy="consistent_hash")
     keys = [f"user-{i}" for i in range(200)]
     placed = {k: four.pick("decode", hint=RouteHint(k)).instance_id for k in keys}
-    assert placed == {k: other_gateway.pick("decode", hint=RouteHint(k)).instance_id
-                      for k in keys}  # fmt: skip
+    assert placed == {k: other_gateway.pick("decode", hint=RouteHint(k)).instance_id for k in keys}
     assert len(set(placed.values())) == 4
     after = {k: four.pick("decode", exclude={"d3"}, hint=RouteHint(k)).instance_id for k in keys}
     moved = [k for k in keys if after[k] != placed[k]]

@@ -123,8 +123,11 @@ def test_sampler_never_draws_a_masked_token():
         min_p=torch.tensor([c[3] for c in rows]),
         seeds=torch.full((len(rows),), 7, dtype=torch.int64),
         positions=torch.arange(len(rows), dtype=torch.int64),
-        all_greedy=False, no_top_k=False, no_top_p=False, no_min_p=False,
-    )  # fmt: skip
+        all_greedy=False,
+        no_top_k=False,
+        no_top_p=False,
+        no_min_p=False,
+    )
     logits = torch.tensor(LOGITS).expand(len(rows), -1).contiguous()
     drawn = torch_backend.sample(logits, t).view(len(MASK_CASES), n)
     for case, tokens in zip(MASK_CASES, drawn, strict=True):

@@ -68,17 +68,20 @@ async def router(embedder=None, text: str = CONFIG) -> SemanticRouter:
     return SemanticRouter(await compile_state(parse_config(text), embedder), embedder)
 
 
-@pytest.mark.parametrize(("text", "image", "route", "signal"), [
-    ("how do I sort a list in Python?", False, "code", "keyword:python"),
-    ("is C++ faster?", False, "code", "keyword:c++"),
-    ("why does def main( fail", False, "code", "regex:0"),
-    ("alpha three please", False, "alpha", "similarity:1.00"),
-    ("beta three please", False, "beta", "similarity:1.00"),
-    ("what is in this photo", True, "vision", "features"),
-    ("python code in this screenshot", True, "vision", "features"),  # priority 20 > 10
-    ("x " * 300, False, "long", "features"),
-    ("hello there", False, "chat", "default"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "image", "route", "signal"),
+    [
+        ("how do I sort a list in Python?", False, "code", "keyword:python"),
+        ("is C++ faster?", False, "code", "keyword:c++"),
+        ("why does def main( fail", False, "code", "regex:0"),
+        ("alpha three please", False, "alpha", "similarity:1.00"),
+        ("beta three please", False, "beta", "similarity:1.00"),
+        ("what is in this photo", True, "vision", "features"),
+        ("python code in this screenshot", True, "vision", "features"),  # priority 20 > 10
+        ("x " * 300, False, "long", "features"),
+        ("hello there", False, "chat", "default"),
+    ],
+)
 async def test_signals_pick_routes(text, image, route, signal):
     d = await (await router()).decide("auto", user(text, image))
     assert (d.route, d.signals[0]) == (route, signal)
@@ -116,8 +119,11 @@ async def test_jailbreak_heuristic_blocks_before_embedding():
 
 async def test_hook_redacts_and_routes_the_request():
     hook = RouterHook(await router())
-    kwargs = {"model": "auto", "messages": user("python: my card is 4111 1111 1111 1111"),
-              "params": {}}  # fmt: skip
+    kwargs = {
+        "model": "auto",
+        "messages": user("python: my card is 4111 1111 1111 1111"),
+        "params": {},
+    }
     out, headers, vector = await hook.apply(kwargs)
     assert out["model"] == "coder" and headers["x-epd-guard"] == "redact:pii"
     assert out["messages"][0]["content"][0]["text"] == "python: my card is [CARD]"
@@ -133,8 +139,9 @@ async def test_reload_swaps_valid_files_and_keeps_the_old_on_errors(tmp_path):
     path = tmp_path / "router.yaml"
     path.write_text(CONFIG)
     r = await open_router(path, Chosen(), ["vlm", "big", "coder", "a-model", "b-model", "talker"])
-    reloader = RouterReloader(r, path, served=["vlm", "big", "coder", "a-model", "b-model",
-                                               "talker", "other"])  # fmt: skip
+    reloader = RouterReloader(
+        r, path, served=["vlm", "big", "coder", "a-model", "b-model", "talker", "other"]
+    )
     assert not await reloader.check()  # unchanged
     path.write_text(CONFIG.replace("default_route: chat", "default_route: code"))
     assert await reloader.check()

@@ -35,19 +35,22 @@ def test_a_good_config():
     assert c.guards.pii.patterns[0].name == "ticket"
 
 
-@pytest.mark.parametrize(("edit", "field"), [
-    (("keywords: [python]", "keywords: [python, '  ']"), "routes[0].keywords"),
-    (("regex: ['def \\w+']", "regex: ['def (']"), "routes[0].regex"),
-    (("priority: 5", "priority: high"), "routes[0].priority"),
-    (("has_images: true", "has_imagez: true"), "routes[1].when.has_imagez"),
-    (("default_route: chat", "default_route: nope"), "default_route"),
-    (("{name: chat, model: talker}", "{name: code, model: talker}"), "routes: duplicate"),
-    (("{name: chat, model: talker}", "{name: chat, model: auto}"), "routes[2].model"),
-    (("action: redact", "action: scrub"), "guards.pii.action"),
-    (("threshold: 0.8", "threshold: 1.5"), "guards.jailbreak.threshold"),
-    (("method: centroid", "method: knn"), "similarity.method"),
-    (("name: ticket", "name: 'Bad Name'"), "guards.pii.patterns[0].name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (("keywords: [python]", "keywords: [python, '  ']"), "routes[0].keywords"),
+        (("regex: ['def \\w+']", "regex: ['def (']"), "routes[0].regex"),
+        (("priority: 5", "priority: high"), "routes[0].priority"),
+        (("has_images: true", "has_imagez: true"), "routes[1].when.has_imagez"),
+        (("default_route: chat", "default_route: nope"), "default_route"),
+        (("{name: chat, model: talker}", "{name: code, model: talker}"), "routes: duplicate"),
+        (("{name: chat, model: talker}", "{name: chat, model: auto}"), "routes[2].model"),
+        (("action: redact", "action: scrub"), "guards.pii.action"),
+        (("threshold: 0.8", "threshold: 1.5"), "guards.jailbreak.threshold"),
+        (("method: centroid", "method: knn"), "similarity.method"),
+        (("name: ticket", "name: 'Bad Name'"), "guards.pii.patterns[0].name"),
+    ],
+)
 def test_mistakes_name_the_field(edit, field):
     old, new = edit
     assert old in GOOD

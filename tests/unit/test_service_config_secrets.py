@@ -30,8 +30,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_repr_masks_url_passwords_and_tokens() -> None:
-    config = ServiceConfig(nats_url="nats://alice:n4ts-pw@h:4222,nats://alice:n4ts-pw@g:4222",
-                           redis_url="redis://:r3dis-pw@h:6379/0")  # fmt: skip
+    config = ServiceConfig(
+        nats_url="nats://alice:n4ts-pw@h:4222,nats://alice:n4ts-pw@g:4222",
+        redis_url="redis://:r3dis-pw@h:6379/0",
+    )
     text = repr(config)
     assert "n4ts-pw" not in text and "r3dis-pw" not in text
     assert "nats://alice:***@h:4222" in text and "redis://:***@h:6379/0" in text
@@ -42,8 +44,9 @@ def test_repr_masks_url_passwords_and_tokens() -> None:
 def test_tls_files_come_from_env_and_flags(clean_env: pytest.MonkeyPatch, pem: str) -> None:
     clean_env.setenv("EPD_NATS_TLS_CA", pem)
     assert ServiceConfig.from_env().nats_tls_ca == pem
-    args = build_parser().parse_args(["serve", "gateway", "--nats-tls-cert", pem,
-                                      "--nats-tls-key", pem])  # fmt: skip
+    args = build_parser().parse_args(
+        ["serve", "gateway", "--nats-tls-cert", pem, "--nats-tls-key", pem]
+    )
     config = service_config(args)
     assert (config.nats_tls_ca, config.nats_tls_cert, config.nats_tls_key) == (pem, pem, pem)
     auth = config.nats_auth()
@@ -60,13 +63,15 @@ def test_every_secret_field_has_a_flag(command: list[str], pem: str) -> None:
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [(dict(nats_tls_ca="/nonexistent/ca.pem"), "not found"),
-     (dict(nats_tls_cert="PEM"), "certificate and key go together"),
-     (dict(nats_creds="PEM", nats_nkey_seed="PEM"), "creds file or an nkey seed"),
-     (dict(nats_url="nats://a:x@h:1,nats://b:y@h:2"), "different credentials"),
-     (dict(redis_url="http://h:6379"), "must be redis://"),
-     (dict(redis_url="redis://:pw@h/0?ssl_ca_certs=PEM"), "need rediss://")],
-)  # fmt: skip
+    [
+        (dict(nats_tls_ca="/nonexistent/ca.pem"), "not found"),
+        (dict(nats_tls_cert="PEM"), "certificate and key go together"),
+        (dict(nats_creds="PEM", nats_nkey_seed="PEM"), "creds file or an nkey seed"),
+        (dict(nats_url="nats://a:x@h:1,nats://b:y@h:2"), "different credentials"),
+        (dict(redis_url="http://h:6379"), "must be redis://"),
+        (dict(redis_url="redis://:pw@h/0?ssl_ca_certs=PEM"), "need rediss://"),
+    ],
+)
 def test_bad_settings_fail_at_construction(kwargs: dict, message: str, pem: str) -> None:
     kwargs = {k: v.replace("PEM", pem) for k, v in kwargs.items()}
     with pytest.raises(ValueError, match=message):

@@ -14,8 +14,9 @@ def test_parse_dict_json_and_env(tmp_path, monkeypatch) -> None:
     raw = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
     a = EngineConfig(speculative_config=raw).speculative_config
     b = EngineConfig(speculative_config=json.dumps(raw)).speculative_config
-    assert a == b == SpeculativeConfig(method="ngram", num_speculative_tokens=3,
-                                       prompt_lookup_max=5)  # fmt: skip
+    assert (
+        a == b == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=5)
+    )
     assert SpeculativeConfig.parse(a.to_json()) == a
     monkeypatch.setenv("EPD_SPECULATIVE_CONFIG", json.dumps(raw))
     assert EngineConfig.from_env().speculative_config == a
@@ -38,7 +39,7 @@ def test_parse_dict_json_and_env(tmp_path, monkeypatch) -> None:
                 "prompt_lookup_max": 2,
             },
             "prompt_lookup_min <= prompt_lookup_max",
-        ),  # fmt: skip
+        ),
         ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 3, "k": 1}, "unknown speculative"),
         ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "eagle3' only"),
@@ -46,7 +47,7 @@ def test_parse_dict_json_and_env(tmp_path, monkeypatch) -> None:
         (
             {"method": "eagle3", "num_speculative_tokens": 3, "model": "/no/such/head"},
             "no config.json",
-        ),  # fmt: skip
+        ),
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],
@@ -58,8 +59,14 @@ def test_bad_config_is_refused(raw, message) -> None:
 
 def test_eagle3_head_dir_accepted(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    cfg = SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 5,
-                                   "model": str(tmp_path), "parallel_drafting": True})  # fmt: skip
+    cfg = SpeculativeConfig.parse(
+        {
+            "method": "eagle3",
+            "num_speculative_tokens": 5,
+            "model": str(tmp_path),
+            "parallel_drafting": True,
+        }
+    )
     assert cfg.parallel_drafting and cfg.model == str(tmp_path)
 
 

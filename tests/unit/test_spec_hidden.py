@@ -23,15 +23,18 @@ LAYERS = (1, 0)  # any order: the rows concatenate in the order asked for
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_text_checkpoint(tmp_path_factory.mktemp("aux"), "llama", seed=3,
-                                num_hidden_layers=3)  # fmt: skip
+    return make_text_checkpoint(
+        tmp_path_factory.mktemp("aux"), "llama", seed=3, num_hidden_layers=3
+    )
 
 
 def run(ckpt, right, **engine) -> tuple[OracleProposer, list[list[int]], LLM]:
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     plain = LLM(str(ckpt), device="cpu", num_kv_blocks=128)
-    refs = [o.outputs[0].token_ids for o in
-            plain.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]  # fmt: skip
+    refs = [
+        o.outputs[0].token_ids
+        for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+    ]
     full = [p + r for p, r in zip(PROMPTS, refs, strict=True)]
     vocab = plain.engine.loaded.text_config.vocab_size
     oracle = OracleProposer(full, vocab, right=right, aux_layers=LAYERS)
@@ -39,8 +42,10 @@ def run(ckpt, right, **engine) -> tuple[OracleProposer, list[list[int]], LLM]:
     llm = LLM(str(ckpt), device="cpu", block_size=4, speculative_config=cfg, **engine)
     eng = llm.engine
     eng.spec = SpecDecoding.build(cfg, eng.loaded, eng.runner, oracle)
-    got = [o.outputs[0].token_ids for o in
-           llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]  # fmt: skip
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+    ]
     assert got == refs
     return oracle, full, llm
 
@@ -83,12 +88,14 @@ def test_rows_delivered_again_after_preemption(ckpt) -> None:
         assert events[-1] == ("free", -1) and events.count(("free", -1)) >= 1
         # Rows after a free (a preemption): where the recompute starts, position 0 or
         # the end of a prefix-cache hit (a block boundary).
-        restarts = [nxt[1] for (kind, _), nxt in zip(events, events[1:], strict=False)
-                    if kind == "free"]  # fmt: skip
+        restarts = [
+            nxt[1] for (kind, _), nxt in zip(events, events[1:], strict=False) if kind == "free"
+        ]
         assert all(first % 4 == 0 for first in restarts)
         restarted += len(restarts)
         ref = hf_layer_outputs(ckpt, full[int(rid.split("-")[1])])
         for first, rows in blocks:  # recomputed rows are right too
-            torch.testing.assert_close(rows, ref[first : first + rows.shape[0]],
-                                       atol=2e-4, rtol=1e-4)  # fmt: skip
+            torch.testing.assert_close(
+                rows, ref[first : first + rows.shape[0]], atol=2e-4, rtol=1e-4
+            )
     assert restarted > 0

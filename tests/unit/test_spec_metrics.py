@@ -14,11 +14,19 @@ def _sample(name: str, position: str | None = None) -> float:
 
 
 def test_counts_and_counters_agree() -> None:
-    names = ["epd_spec_verifications_total", "epd_spec_draft_tokens_total",
-             "epd_spec_accepted_tokens_total"]  # fmt: skip
+    names = [
+        "epd_spec_verifications_total",
+        "epd_spec_draft_tokens_total",
+        "epd_spec_accepted_tokens_total",
+    ]
     before = [_sample(n) for n in names]
-    by_pos = [(_sample("epd_spec_drafts_by_position_total", str(i)),
-               _sample("epd_spec_accepted_by_position_total", str(i))) for i in range(4)]  # fmt: skip
+    by_pos = [
+        (
+            _sample("epd_spec_drafts_by_position_total", str(i)),
+            _sample("epd_spec_accepted_by_position_total", str(i)),
+        )
+        for i in range(4)
+    ]
     stats = SpecStats()
     stats.observe(3, 2)
     stats.observe(2, 0)

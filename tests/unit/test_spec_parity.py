@@ -40,8 +40,9 @@ def spec_llm(ckpt: Path, proposer=None, k: int = K, **engine) -> LLM:
     llm = LLM(str(ckpt), device="cpu", block_size=4, speculative_config=cfg, **engine)
     if proposer is not None:
         eng = llm.engine
-        eng.spec = SpecDecoding.build(SpeculativeConfig.parse(cfg), eng.loaded, eng.runner,
-                                      proposer)  # fmt: skip
+        eng.spec = SpecDecoding.build(
+            SpeculativeConfig.parse(cfg), eng.loaded, eng.runner, proposer
+        )
     return llm
 
 
@@ -115,18 +116,27 @@ def test_seeded_sampling_draws_the_same_tokens(llama) -> None:
     """Verification samples each position as a plain step would (same (seed, position)
     random numbers), so a seeded request's tokens do not change with speculation."""
     ckpt, refs, vocab = llama
-    params = [SamplingParams(max_tokens=12, temperature=t, top_k=k, seed=s,
-                             repetition_penalty=r)
-              for t, k, s, r in [(0.8, 0, 1, 1.0), (1.0, 20, 2, 1.0), (1.3, 0, 3, 1.2),
-                                 (0.7, 5, 4, 1.0), (1.0, 0, 5, 1.1)]]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=12, temperature=t, top_k=k, seed=s, repetition_penalty=r)
+        for t, k, s, r in [
+            (0.8, 0, 1, 1.0),
+            (1.0, 20, 2, 1.0),
+            (1.3, 0, 3, 1.2),
+            (0.7, 5, 4, 1.0),
+            (1.0, 0, 5, 1.1),
+        ]
+    ]
     plain = LLM(str(ckpt), device="cpu", num_kv_blocks=128)
     want = tokens(plain, PROMPTS, params)
     for proposer in (make_proposer("partial", refs, vocab), None):
         llm = spec_llm(ckpt, proposer, num_kv_blocks=128)
         assert tokens(llm, PROMPTS, params) == want
     # Drafts proposed from the sampled outputs themselves are accepted, too.
-    llm = spec_llm(ckpt, OracleProposer([p + w for p, w in zip(PROMPTS, want, strict=True)],
-                                        vocab), num_kv_blocks=128)  # fmt: skip
+    llm = spec_llm(
+        ckpt,
+        OracleProposer([p + w for p, w in zip(PROMPTS, want, strict=True)], vocab),
+        num_kv_blocks=128,
+    )
     assert tokens(llm, PROMPTS, params) == want
     assert llm.engine.spec.stats.accepted_tokens == llm.engine.spec.stats.draft_tokens > 0
 
@@ -145,7 +155,7 @@ def test_stop_max_tokens_logprobs_and_n(llama) -> None:
             min_tokens=9,
             stop_token_ids=[stop_at],
             frequency_penalty=0.5,
-        ),  # fmt: skip
+        ),
         SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=2),
     ]
     spec = spec_llm(ckpt, make_proposer("oracle", refs, vocab), num_kv_blocks=128)
@@ -175,10 +185,13 @@ def test_greedy_identical_with_eagle_heads(target, kind, scenario, tmp_path) -> 
 
     ckpt, refs, _ = target
     head = make_eagle_head(tmp_path, AutoConfig.from_pretrained(str(ckpt)), kind)
-    cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K,
-           "parallel_drafting": kind == "peagle"}  # fmt: skip
-    llm = LLM(str(ckpt), device="cpu", block_size=4, speculative_config=cfg,
-              **SCENARIOS[scenario])  # fmt: skip
+    cfg = {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": K,
+        "parallel_drafting": kind == "peagle",
+    }
+    llm = LLM(str(ckpt), device="cpu", block_size=4, speculative_config=cfg, **SCENARIOS[scenario])
     assert llm.engine.runner.aux_layers  # the head asked for hidden states
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     assert tokens(llm, PROMPTS, greedy) == refs

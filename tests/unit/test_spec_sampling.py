@@ -42,8 +42,9 @@ def test_wrong_drafts_leave_the_distribution_unchanged(tmp_path) -> None:
     ckpt = make_text_checkpoint(tmp_path, "llama", seed=5, vocab_size=256)
     hf = load_hf(ckpt)
     p1 = top_k_probs(hf, PROMPT)
-    joint = {(a, b): pa * pb for a, pa in p1.items()
-             for b, pb in top_k_probs(hf, [*PROMPT, a]).items()}  # fmt: skip
+    joint = {
+        (a, b): pa * pb for a, pa in p1.items() for b, pb in top_k_probs(hf, [*PROMPT, a]).items()
+    }
     # The draft: the likeliest second token after the likeliest first one, so it is
     # sometimes accepted and sometimes rejected.
     draft = max(joint, key=joint.get)[1]
@@ -52,8 +53,10 @@ def test_wrong_drafts_leave_the_distribution_unchanged(tmp_path) -> None:
     eng = llm.engine
     eng.spec = SpecDecoding.build(cfg, eng.loaded, eng.runner, WrongProposer(draft))
     # max_tokens 3: the second token is the one verified against the draft.
-    params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, seed=s,
-                             ignore_eos=True) for s in range(N)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, seed=s, ignore_eos=True)
+        for s in range(N)
+    ]
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params)
     stats = eng.spec.stats
     assert stats.draft_tokens == N and 0 < stats.accepted_tokens < N

@@ -50,8 +50,7 @@ def test_a_child_that_does_not_stop_is_killed_and_the_rest_still_stop():
     log: list[str] = []
     children = [FakeChild("decode", log, stuck=True), FakeChild("gateway", log)]
     _stop_children(children, grace_s=0.01)
-    assert log == ["term gateway", "exited gateway", "term decode", "timeout decode",
-                   "kill decode"]  # fmt: skip
+    assert log == ["term gateway", "exited gateway", "term decode", "timeout decode", "kill decode"]
 
 
 def test_sigterm_asks_to_stop_without_taking_a_lock():

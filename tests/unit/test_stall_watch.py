@@ -51,8 +51,9 @@ def test_a_queued_request_on_a_stepping_worker_is_not_a_stall():
     _beat(registry, steps=500)
     last_update = time.monotonic() - 2 * STALL_S
     route = Route("p0", "d0", 0)
-    role, worker = _check(route, UpdateOrderer(), time.time() + 300, STALL_S, Watch(registry),
-                          last_update)  # fmt: skip
+    role, worker = _check(
+        route, UpdateOrderer(), time.time() + 300, STALL_S, Watch(registry), last_update
+    )
     assert (role, worker) == ("prefill", "p0")
 
 
@@ -65,8 +66,14 @@ def test_a_worker_that_stopped_stepping_is_left():
     _beat(registry, steps=3)  # still beating (its event loop lives), its engine does not
     last_update = time.monotonic() - 2 * STALL_S
     with pytest.raises(WorkerLost, match="no engine steps"):
-        _check(Route("p0", "d0", 0), UpdateOrderer(), time.time() + 300, STALL_S,
-               Watch(registry), last_update)  # fmt: skip
+        _check(
+            Route("p0", "d0", 0),
+            UpdateOrderer(),
+            time.time() + 300,
+            STALL_S,
+            Watch(registry),
+            last_update,
+        )
 
 
 def test_a_silent_decode_is_left_even_while_its_engine_steps():
@@ -79,5 +86,11 @@ def test_a_silent_decode_is_left_even_while_its_engine_steps():
     _beat(registry, steps=1)
     route = Route("p0", "d0", 0, decode_spoke=True)
     with pytest.raises(WorkerLost, match="decode instance d0"):
-        _check(route, UpdateOrderer(), time.time() + 300, STALL_S, Watch(registry),
-               time.monotonic() - 2 * STALL_S)  # fmt: skip
+        _check(
+            route,
+            UpdateOrderer(),
+            time.time() + 300,
+            STALL_S,
+            Watch(registry),
+            time.monotonic() - 2 * STALL_S,
+        )

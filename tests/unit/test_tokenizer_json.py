@@ -20,9 +20,16 @@ CORPUS = [
 ] * 20
 
 TEXTS = [
-    "hello world", "  leading spaces", "Don't stop, won't stop !", "\u4f60\u597d\uff0c\u4e16\u754c",
-    "emoji \U0001f680\U0001f680 end", "line\nbreak\n\nand more", "", "x" * 300, "[CLS] literal [SEP]",
-]  # fmt: skip
+    "hello world",
+    "  leading spaces",
+    "Don't stop, won't stop !",
+    "\u4f60\u597d\uff0c\u4e16\u754c",
+    "emoji \U0001f680\U0001f680 end",
+    "line\nbreak\n\nand more",
+    "",
+    "x" * 300,
+    "[CLS] literal [SEP]",
+]
 
 QWEN_LIKE = (
     "{%- for message in messages %}"
@@ -38,10 +45,14 @@ QWEN_LIKE = (
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ],
     [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}],
-]  # fmt: skip
+]
 
 
 def _bpe(tmp_path, byte_level: bool):
@@ -67,8 +78,12 @@ def _bpe(tmp_path, byte_level: bool):
             single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
         )
     out = tmp_path / ("bytelevel" if byte_level else "metaspace")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<s>",
-                                   unk_token=None if byte_level else "<unk>")  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<s>",
+        unk_token=None if byte_level else "<unk>",
+    )
     fast.chat_template = QWEN_LIKE
     fast.save_pretrained(str(out))
     return out

@@ -29,9 +29,14 @@ def make_proposer(config: SpeculativeConfig, loaded: LoadedModel, backend=None) 
     from services.engine.spec.eagle import Eagle3Proposer  # torch model code: on demand
 
     try:
-        return Eagle3Proposer.load(config.model, loaded.text_config, loaded.device,
-                                   loaded.dtype, config.parallel_drafting,
-                                   backend=backend)  # fmt: skip
+        return Eagle3Proposer.load(
+            config.model,
+            loaded.text_config,
+            loaded.device,
+            loaded.dtype,
+            config.parallel_drafting,
+            backend=backend,
+        )
     except (OSError, KeyError) as e:
         raise ValueError(f"draft head {config.model!r}: {e}") from e
 
@@ -49,8 +54,13 @@ class SpecDecoding:
         self._seen: set[str] = set()
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, loaded: LoadedModel, runner: ModelRunner,
-              proposer: Proposer | None = None) -> SpecDecoding:  # fmt: skip
+    def build(
+        cls,
+        config: SpeculativeConfig,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        proposer: Proposer | None = None,
+    ) -> SpecDecoding:
         """Check the proposer against the target and switch on aux capture if it asks.
         ``proposer``: one built elsewhere (tests' oracle proposers)."""
         proposer = (
@@ -63,8 +73,9 @@ class SpecDecoding:
                 raise ValueError(f"{name} cannot hand hidden states to a draft head")
             bad = [i for i in layers if not 0 <= i < loaded.num_layers]
             if bad:
-                raise ValueError(f"draft head wants layers {bad}; the target has "
-                                 f"{loaded.num_layers}")  # fmt: skip
+                raise ValueError(
+                    f"draft head wants layers {bad}; the target has {loaded.num_layers}"
+                )
         runner.aux_layers = layers
         return cls(config, proposer, loaded.text_config.vocab_size)
 

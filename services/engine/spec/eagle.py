@@ -87,8 +87,16 @@ class Eagle3Proposer:
         self.device, self.dtype = p.device, p.dtype
 
     @classmethod
-    def load(cls, head_dir: str | Path, target_config, device, dtype, parallel: bool,
-             target_embed: torch.Tensor | None = None, backend=None) -> Eagle3Proposer:  # fmt: skip
+    def load(
+        cls,
+        head_dir: str | Path,
+        target_config,
+        device,
+        dtype,
+        parallel: bool,
+        target_embed: torch.Tensor | None = None,
+        backend=None,
+    ) -> Eagle3Proposer:
         """Load a Speculators head, check it against the target's config, place it.
         ``backend``: the target's, whose native norm and rotary the head then uses (fp32
         on CPU only, where torch's per-op overhead dominates a one-row draft forward)."""

@@ -45,8 +45,10 @@ class SpecStats:
 
     def acceptance_by_position(self) -> list[float]:
         """Per draft position, the fraction of verified drafts there that were accepted."""
-        return [a / d if d else 0.0
-                for a, d in zip(self.accepted_by_position, self.drafts_by_position, strict=True)]  # fmt: skip
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_by_position, self.drafts_by_position, strict=True)
+        ]
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: ``num_accepted`` of its ``num_drafts`` drafts."""
@@ -62,8 +64,9 @@ class SpecStats:
             pos = str(len(self.drafts_by_position))
             self.drafts_by_position.append(0)
             self.accepted_by_position.append(0)
-            self._children.append((SPEC_DRAFTS_BY_POSITION.labels(pos),
-                                   SPEC_ACCEPTED_BY_POSITION.labels(pos)))  # fmt: skip
+            self._children.append(
+                (SPEC_DRAFTS_BY_POSITION.labels(pos), SPEC_ACCEPTED_BY_POSITION.labels(pos))
+            )
         for i in range(num_drafts):
             self.drafts_by_position[i] += 1
             self._children[i][0].inc()

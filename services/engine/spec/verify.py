@@ -52,8 +52,11 @@ def verify_rows(req: Request, drafts: list[int]) -> list[Request | DraftRow]:
     if drafts:
         known, out = req.all_token_ids, req.output_token_ids
         for i in range(1, len(drafts) + 1):
-            rows.append(DraftRow(req.sampling_params, req.eos_token_ids,
-                                 known + drafts[:i], out + drafts[:i]))  # fmt: skip
+            rows.append(
+                DraftRow(
+                    req.sampling_params, req.eos_token_ids, known + drafts[:i], out + drafts[:i]
+                )
+            )
     return rows
 
 

@@ -23,10 +23,18 @@ V, VD, H, T = 96, 48, 32, 12
 
 
 def layer_config() -> LlamaConfig:
-    c = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                    max_position_embeddings=256,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    c = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     c._attn_implementation = "eager"  # flex attention needs a GPU compiler
     return c
 
@@ -34,12 +42,18 @@ def layer_config() -> LlamaConfig:
 def build(kind: str, cfg_cls, model_cls, out: Path) -> None:
     extra = {"mask_token_id": 5} if kind == "peagle" else {}
     spec = SpeculatorsConfig(
-        algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        algorithm=kind,
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
         default_proposal_method="greedy",
         verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
-    )  # fmt: skip
-    cfg = cfg_cls(transformer_layer_config=layer_config(), draft_vocab_size=VD,
-                  eagle_aux_hidden_state_layer_ids=[1, 2, 3], speculators_config=spec, **extra)  # fmt: skip
+    )
+    cfg = cfg_cls(
+        transformer_layer_config=layer_config(),
+        draft_vocab_size=VD,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=spec,
+        **extra,
+    )
     m = model_cls(cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -55,8 +69,13 @@ def build(kind: str, cfg_cls, model_cls, out: Path) -> None:
     logits = []
     hook = m.lm_head.register_forward_hook(lambda mod, i, o: logits.append(o.detach().clone()))
     with torch.no_grad():  # Eagle3's inference path (P-EAGLE's forward is training-only)
-        Eagle3DraftModel.forward(m, hidden_states=hidden, input_ids=ids,
-                                 document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=1)  # fmt: skip
+        Eagle3DraftModel.forward(
+            m,
+            hidden_states=hidden,
+            input_ids=ids,
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            ttt_steps=1,
+        )
     hook.remove()
     m.save_pretrained(str(out / kind))
     (out / kind / "config.py").unlink(missing_ok=True)  # speculators' own source, not ours to ship
