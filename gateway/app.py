@@ -10,13 +10,14 @@ import logging
 from collections.abc import Sequence
 
 from cache_svc.config import SemanticCacheConfig
+from gateway.cache_client import BusCacheClient, LocalCacheClient
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
 from gateway.fleet_link import FleetLink
 from gateway.grpc_server import start_grpc_server, track_health
 from gateway.models import ModelSet
 from gateway.prepare import RequestPreparer
-from gateway.response_cache import BusCacheClient, LocalCacheClient, ResponseCache
+from gateway.response_cache import ResponseCache
 from gateway.rest.server import RestServer
 from services.bus import subjects
 from services.config import EngineConfig, ServiceConfig

@@ -1,7 +1,7 @@
 """The cpu backend's whole decode steps: a pure decode step of a few sequences runs the
 decoder stack in one native call per thread of an OpenMP team (``csrc/epd_decode.c``,
 ``csrc/epd_parallel.c``; why in docs/cpu-performance.md). ``NativeStack.run`` is
-``CpuBackend.decode_stack``."""
+``CpuBackend.decode_stack``; the stack's native layouts are in ``cpu_stack_layout``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import torch
 from services.kernels.cpu_native import fp32 as _fp32
 from services.kernels.cpu_native import gemv_layout
 from services.kernels.cpu_native import ptr as _ptr
+from services.kernels.cpu_stack_layout import AuxOut, StackPointers
 from services.kernels.metadata import DecoderStack
-
-_F32 = torch.float32
 
 # epd_decode_stack's error codes
 _STACK_ERRORS = {
@@ -31,135 +30,6 @@ _STACK_ERRORS = {
 }
 
 
-class _StackPointers:
-    """A DecoderStack and KV caches as the native step takes them: a [layers, 14] table of
-    addresses, checked once. Holds the tensors, so the addresses stay valid."""
-
-    def __init__(self, stack: DecoderStack, kv_caches, lib: ctypes.CDLL):
-        self.stack, self.kv_caches, self.lib = stack, kv_caches, lib
-        s = stack
-        hq, hkv, d, hid, inter = (
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.hidden_size,
-            s.intermediate_size,
-        )
-        qkvw = (hq + 2 * hkv) * d
-        k0 = kv_caches[0][0]
-        self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
-        cache_shape = (self.num_blocks, self.block_size, hkv, d)
-        rot = s.rope.shape[-1] if s.rope.dim() == 2 else -1
-        self.ok = (
-            len(s.layers) == len(kv_caches) > 0
-            and _fp32(s.final_norm, s.rope)
-            and 0 < rot <= d
-            and rot % 2 == 0
-            and s.final_norm.shape == (hid,)
-            and hq % hkv == 0
-        )
-        rows = []
-        for w, (kc, vc) in zip(s.layers, kv_caches, strict=False):
-            if not self.ok:
-                break
-            mats = [
-                (w.qkv, qkvw, hid),
-                (w.o, hid, hq * d),
-                (w.gate_up, 2 * inter, hid),
-                (w.down, hid, inter),
-            ]
-            vecs = [
-                (w.input_norm, hid),
-                (w.post_norm, hid),
-                (w.qkv_bias, qkvw),
-                (w.o_bias, hid),
-                (w.gate_up_bias, 2 * inter),
-                (w.down_bias, hid),
-                (w.q_norm, d),
-                (w.k_norm, d),
-            ]
-            self.ok = (
-                all(
-                    m.dtype is _F32 and m.shape == (n, k) and m.stride() == (1, n)
-                    for m, n, k in mats
-                )
-                and all(v is None or (_fp32(v) and v.shape == (n,)) for v, n in vecs)
-                and (w.q_norm is None) == (w.k_norm is None)
-                and _fp32(kc, vc)
-                and kc.shape == vc.shape == cache_shape
-            )
-            rows.append(
-                [
-                    _ptr(w.input_norm),
-                    _ptr(w.qkv),
-                    _ptr(w.qkv_bias),
-                    _ptr(w.q_norm),
-                    _ptr(w.k_norm),
-                    _ptr(w.o),
-                    _ptr(w.o_bias),
-                    _ptr(w.post_norm),
-                    _ptr(w.gate_up),
-                    _ptr(w.gate_up_bias),
-                    _ptr(w.down),
-                    _ptr(w.down_bias),
-                    _ptr(kc),
-                    _ptr(vc),
-                ]
-            )
-        self.table = torch.tensor([[p or 0 for p in r] for r in rows], dtype=torch.int64)
-        self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks, self.block_size]
-        self._buffers: tuple | None = None
-
-    def buffers(self, m: int, tables: torch.Tensor, team: int, timeout_ms: int, vocab: int = 0):
-        """(sizes, scratch, barrier) of a step (of greedy steps over ``vocab`` logits when
-        vocab > 0), kept while the step's shape recurs: a team leaves its barrier at zero
-        arrivals and no error, ready for the next step."""
-        key = (m, tables.stride(0), tables.shape[1], team, vocab)
-        held = self._buffers[0] if self._buffers is not None else None
-        # A burst's scratch starts with a step's: single steps between bursts reuse it.
-        if held is not None and vocab == 0 and held[:4] == key[:4]:
-            return self._buffers[1:]
-        if held != key:
-            dims = torch.tensor(
-                [m, *self.dims, key[1], key[2], len(self.stack.layers)], dtype=torch.int64
-            )
-            size = (
-                self.lib.epd_decode_greedy_scratch(_ptr(dims), team, vocab)
-                if vocab
-                else self.lib.epd_decode_scratch(_ptr(dims), team)
-            )
-            scratch = torch.empty(size, dtype=_F32)
-            sync = torch.tensor([0, 0, 0, timeout_ms], dtype=torch.int64)
-            self._buffers = (key, dims, scratch, sync)
-        return self._buffers[1:]
-
-    def drop_buffers(self) -> None:
-        self._buffers = None
-
-    def matches(self, stack: DecoderStack, kv_caches) -> bool:
-        if stack is not self.stack or len(kv_caches) != len(self.kv_caches):
-            return False
-        return all(
-            a[0] is b[0] and a[1] is b[1] for a, b in zip(kv_caches, self.kv_caches, strict=True)
-        )
-
-
-class _AuxOut:
-    """The outputs of ``layers`` (residual stream after the layer) that a step copies out,
-    rows concatenated in the order named, as ``DecoderModel.forward(aux_layers=...)``
-    returns them. ``ok`` is False for a layer the stack lacks or named twice."""
-
-    def __init__(self, stack: DecoderStack, m: int, layers: tuple[int, ...]):
-        n, hid = len(stack.layers), stack.hidden_size
-        self.ok = len(set(layers)) == len(layers) and all(0 <= i < n for i in layers)
-        self.out = torch.empty(m, len(layers) * hid, dtype=_F32) if layers and self.ok else None
-        self.stride = len(layers) * hid
-        cols = [-1] * n
-        for j, i in enumerate(layers if self.ok else ()):
-            cols[i] = j * hid
-        self.cols = torch.tensor(cols, dtype=torch.int64) if self.out is not None else None
-
-
 class NativeStack:
     """Runs DecoderStacks through epd_decode_stack, keeping the checked pointer table of
     the last one (a model's stack and KV caches stay the same from step to step)."""
@@ -170,7 +40,7 @@ class NativeStack:
         self.lib = lib
         self.max_rows = max_rows  # the GEMV's rows: more sequences run layer by layer
         self.team_timeout_ms = team_timeout_ms  # 0: the C default (30 s)
-        self._pointers: _StackPointers | None = None
+        self._pointers: StackPointers | None = None
         if cpus is None:
             cpus = (
                 len(os.sched_getaffinity(0))
@@ -186,7 +56,7 @@ class NativeStack:
         if m == 0 or m > self.max_rows or meta.max_query_len != 1 or meta.num_seqs != m:
             return None
         if self._pointers is None or not self._pointers.matches(stack, kv_caches):
-            self._pointers = _StackPointers(stack, kv_caches, self.lib)
+            self._pointers = StackPointers(stack, kv_caches, self.lib)
         if not self._pointers.ok:
             return None
         pos = positions.to(torch.int64).contiguous()
@@ -210,7 +80,7 @@ class NativeStack:
             return 1
         return max(1, min(torch.get_num_threads(), self._cpus))
 
-    def _run_team(self, sp: _StackPointers, team: int, call) -> None:
+    def _run_team(self, sp: StackPointers, team: int, call) -> None:
         """call(team, codes): the step on a team of OpenMP threads (epd_parallel.c)."""
         codes = (ctypes.c_int * team)()
         call(team, codes)
@@ -234,7 +104,7 @@ class NativeStack:
         if hidden.dim() != 2 or not _fp32(hidden) or hidden.shape[1] != stack.hidden_size:
             return None
         inputs = self._inputs(stack, m, positions, kv_caches, meta)
-        aux = _AuxOut(stack, m, aux_layers)
+        aux = AuxOut(stack, m, aux_layers)
         if inputs is None or not aux.ok:
             return None
         sp, pos, slots, tables, lens = inputs

@@ -4,7 +4,7 @@ Each sequence's new query rows sit at the end of its context: row i of sequence 
 q_len new rows, seq_len keys in all) attends causally to keys ``0 .. seq_len - q_len + i``,
 i.e. its cached prefix (prefix-cache hits, earlier prefill chunks) plus the new tokens,
 whose K/V the caller has already written to the cache. One loop over the paged cache
-covers both parts. Numerics as in ``triton_attention``: fp32 scores in log2 units, online
+covers both parts. Numerics as in ``triton_paged``: fp32 scores in log2 units, online
 softmax with a finite ``-1e30`` start for the running max and ``-inf`` for masked scores.
 """
 
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels.triton_attention import LOG2E, attend_paged
 from services.kernels.triton_checks import check, check_gqa, check_kv_cache, check_tensor
+from services.kernels.triton_paged import LOG2E, attend_paged
 
 _BLOCK_M = 64  # query rows per program
 _BLOCK_N = 64  # keys per inner iteration

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.response_cache import BusCacheClient
+from gateway.cache_client import BusCacheClient
 from protos.epd_pb import bus_pb2
 from services.bus.errors import BusUnavailable, NoResponders
 

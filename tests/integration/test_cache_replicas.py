@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from cache_svc.config import SemanticCacheConfig
 from cache_svc.service import CacheService
-from gateway.response_cache import BusCacheClient
+from gateway.cache_client import BusCacheClient
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
 from services.bus.connection import Bus, BusConfig

@@ -10,8 +10,9 @@ import asyncio
 import pytest
 
 from cache_svc.config import SemanticCacheConfig
+from gateway.cache_client import BusCacheClient, LocalCacheClient
 from gateway.prepare import PreparedRequest
-from gateway.response_cache import BusCacheClient, LocalCacheClient, ResponseCache
+from gateway.response_cache import ResponseCache
 from protos.epd_pb import bus_pb2
 from services.sampling_params import SamplingParams
 
