@@ -7,12 +7,13 @@
 # Layers: OS packages -> torch -> the other dependencies (read from pyproject.toml) ->
 # the source. A source change rebuilds only the last, small layer.
 
-# The dependency list alone: other pyproject.toml edits (tool settings, extras) leave the
+# The dependency list alone (the core and the router's `pii` extra; not `local`: compose
+# runs NATS and Redis from their own images): other pyproject.toml edits leave the
 # dependency layer below cached, since COPY --from compares the list's content.
 FROM python:3.11-slim AS requirements
 COPY pyproject.toml /
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /requirements.txt
+RUN python -c "import tomllib; p = tomllib.load(open('/pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['pii']))" > /requirements.txt
 
 FROM python:3.11-slim
 
@@ -51,6 +52,7 @@ RUN pip install -r /tmp/requirements.txt "setuptools>=68" wheel && rm /tmp/requi
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY launch ./launch
 COPY services ./services
 COPY gateway ./gateway
 COPY encoder_svc ./encoder_svc

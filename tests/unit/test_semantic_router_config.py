@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.semantic_router import config as config_module
 from gateway.semantic_router.config import (
     RouterConfigError,
     check_models,
@@ -80,3 +81,12 @@ def test_routes_must_name_served_models():
         check_models(c, ["coder", "talker"])
     with pytest.raises(RouterConfigError, match="virtual_models: 'smart'"):
         check_models(c, ["coder", "vlm", "talker", "smart"])
+
+
+def test_phone_detection_without_its_extra(monkeypatch):
+    monkeypatch.setattr(config_module, "phone_numbers_installed", lambda: False)
+    unnamed = parse_config(GOOD.replace("kinds: [email, card], ", ""))
+    assert unnamed.guards.pii.kinds == ["email", "card", "iban"]  # what this install detects
+    asked = GOOD.replace("kinds: [email, card]", "kinds: [email, phone]")
+    with pytest.raises(RouterConfigError, match=r"guards.pii.kinds.*epd-serve\[pii\]"):
+        parse_config(asked)
