@@ -6,7 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from launch.cli_args import engine_args, epilog, observability_args, service_args
+from launch.cli_args import (
+    add_model_flag,
+    add_setting_flags,
+    config_classes,
+    config_from_args,
+    env_only_epilog,
+)
 
 ROLES = ("encoder", "prefill", "decode", "cache", "gateway", "all")
 
@@ -14,83 +20,52 @@ ROLES = ("encoder", "prefill", "decode", "cache", "gateway", "all")
 def observability_config(args):
     from services.observability import ObservabilityConfig
 
-    keys = ("log_level", "log_format", "metrics_port")
-    return ObservabilityConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+    return config_from_args(ObservabilityConfig, args)
 
 
-def engine_config(args):
-    from services.config import EngineConfig
-
-    keys = (
-        "dtype",
-        "device",
-        "load_format",
-        "max_model_len",
-        "block_size",
-        "kv_cache_memory_mb",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-        "attention_backend",
-        "num_scheduler_steps",
-        "speculative_config",
-        "greedy_head_screen",
-        "packed_weights_mb",
-    )
+def _models(args) -> list[str]:
+    """``--model`` as given (repeated only where several models are served)."""
     models = getattr(args, "model", None) or []
     several = getattr(args, "command", None) == "up" or getattr(args, "role", None) == "gateway"
     if len(models) > 1 and not several:
         raise ValueError(
             "one process runs one model: repeat --model only for 'serve gateway' and 'up'"
         )
-    model = models[0] if models else None  # the gateway's default model
-    return EngineConfig.from_env(model=model, **{k: getattr(args, k, None) for k in keys})
+    return models
+
+
+def engine_config(args):
+    from services.config import EngineConfig
+
+    models = _models(args)
+    return config_from_args(EngineConfig, args, model=models[0] if models else None)
 
 
 def service_config(args):
     from services.config import ServiceConfig
 
-    keys = (
-        "nats_url",
-        "redis_url",
-        "instance_id",
-        "grpc_port",
-        "nats_creds",
-        "nats_nkey_seed",
-        "nats_tls_ca",
-        "nats_tls_cert",
-        "nats_tls_key",
-        "host",
-        "request_timeout_s",
-        "shutdown_grace_s",
-    )
-    return ServiceConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+    return config_from_args(ServiceConfig, args)
 
 
 def gateway_config(args):
     from gateway.config import GatewayConfig
 
-    keys = (
-        "http_port",
-        "api_key",
-        "allowed_media_domains",
-        "allowed_local_media_path",
-        "router_policy",
-        "migration_limit",
-        "max_inflight_per_instance",
-        "max_local_prefill_tokens",
-        "router_config",
-    )
-    models = getattr(args, "model", None)
-    return GatewayConfig.from_env(
-        models=tuple(models) if models else None, **{k: getattr(args, k, None) for k in keys}
-    )
+    models = _models(args)
+    return config_from_args(GatewayConfig, args, models=tuple(models) if models else None)
 
 
 def cache_config(args):
     from cache_svc.config import SemanticCacheConfig
 
-    keys = ("cache_threshold", "cache_ttl_s", "cache_max_entries", "cache_enabled")
-    return SemanticCacheConfig.from_env(**{k: getattr(args, k, None) for k in keys})
+    return config_from_args(SemanticCacheConfig, args)
+
+
+def add_settings(parser: argparse.ArgumentParser, *titles: str, exclude=()) -> None:
+    """The flags of the config classes named by ``titles`` (all when none)."""
+    add_model_flag(parser)
+    for title, cls in config_classes():
+        if not titles or title in titles:
+            add_setting_flags(parser, title, cls, exclude=exclude)
 
 
 def _generate(args) -> int:
@@ -170,10 +145,9 @@ def _health(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd-serve")
-    parser.add_argument("--log-level", default=None, help="DEBUG | INFO (default) | WARNING")
-    parser.add_argument(
-        "--log-format", default=None, choices=("text", "json"), help="text (default) | json"
-    )
+    from services.observability import ObservabilityConfig
+
+    add_setting_flags(parser, "logs", ObservabilityConfig, exclude=("metrics_port",))
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline with the engine in this process")
     gen.add_argument("prompt")
@@ -182,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
-    engine_args(gen)
-    observability_args(gen, metrics=False)
+    # --seed above is the request's; the engine's own seed stays EPD_SEED.
+    add_settings(gen, "engine", "logs and metrics", exclude=("metrics_port", "seed"))
     gen.set_defaults(func=_generate)
-    docs = dict(epilog=epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = dict(epilog=env_only_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     srv = sub.add_parser(
         "serve",
         help="run one service (or 'all': the aggregated engine)",
@@ -198,9 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="encoder | prefill | decode | cache | gateway | all (aggregated "
         "engine behind the gateway)",
     )
-    engine_args(srv)
-    service_args(srv)
-    observability_args(srv)
+    add_settings(srv)
     srv.set_defaults(func=_serve)
     up = sub.add_parser(
         "up",
@@ -211,9 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--decode-replicas", type=int, default=1, help="decode processes (1)")
     up.add_argument("--aggregated", action="store_true", help="run 'serve all' instead of E/P/D")
-    engine_args(up)
-    service_args(up)
-    observability_args(up)
+    add_settings(up)
     up.set_defaults(func=_up)
     hc = sub.add_parser(
         "health", help="exit 0 when the service in this container is up (Docker health checks)"

@@ -1,60 +1,70 @@
-"""The ``EPD_*`` variables of a config dataclass, documented from its own source: the
-comment above each field is its documentation (one place for the docs; ``epd serve
---help`` prints them)."""
+"""docs/configuration.md, generated from the config classes' declarations (every setting:
+its flag, its ``EPD_*`` variable, its default, its docstring). A unit test fails when the
+file is stale; ``python -m launch.config_docs`` writes it anew."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
-import textwrap
+import sys
+from pathlib import Path
 
-_FIELD = re.compile(r"\s+(\w+)\s*:\s*[^=]+?(?:=|$)")
+from launch.cli_args import config_classes, shown_default
+from services.settings import env_name, field_types, option_strings
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
-def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> the comment lines right above it (joined); "" when none (a field
-    documented together with the one above it: the help lists them next to each other)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    out: dict[str, str] = {}
-    pending: list[str] = []
-    for line in inspect.getsource(cls).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            pending.append(stripped.lstrip("#").strip())
-            continue
-        m = _FIELD.match(line)
-        if m and m.group(1) in names:
-            out[m.group(1)] = " ".join(pending)
-        pending = []
-    return out
+HEAD = """# Configuration
+
+Every setting of every service, generated from its one declaration (the config classes
+below, declared with `setting` in `services/settings.py`). Set one as a flag of `epd serve`
+/ `epd up` or as its `EPD_*` environment variable (Docker compose passes variables): flags
+win over variables, variables over defaults. Lists are comma-separated in a variable and
+repeated as flags; booleans read `1/true/yes/on` or `0/false/no/off`; an unset optional
+number reads `none`.
+
+Do not edit by hand: `python -m launch.config_docs` writes this file, and
+`tests/unit/test_configuration_doc.py` fails when it is stale.
+"""
 
 
-def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
-        return ""
-    if isinstance(value, tuple):
-        value = ",".join(value)
-    return "" if value in (None, "", ()) else str(value)
+def _type_name(kind) -> str:
+    text = getattr(kind, "__name__", None) if not hasattr(kind, "__args__") else None
+    text = text or str(kind).replace("typing.", "")
+    return text.replace("NoneType", "None").replace("tuple[str, ...]", "list")
 
 
-def env_help(title: str, cls: type, width: int = 100) -> str:
-    """A block for an argparse epilog: every field of ``cls`` as EPD_<NAME>, its default
-    and its comment."""
-    docs = field_comments(cls)
-    lines = [f"{title} ({cls.__name__}):"]
-    for f in dataclasses.fields(cls):
-        default = _default(f)
-        head = f"  EPD_{f.name.upper()}" + (f" (default {default})" if default else "")
-        lines.append(head)
-        if docs.get(f.name):
-            lines.extend(
-                textwrap.wrap(
-                    docs[f.name], width, initial_indent=" " * 6, subsequent_indent=" " * 6
-                )
-            )
-    return "\n".join(lines)
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    parts = [HEAD]
+    for title, cls in config_classes():
+        module = cls.__module__.replace(".", "/") + ".py"
+        doc = (cls.__doc__ or "").strip()
+        parts.append(f"## {title[0].upper()}{title[1:]} (`{module} {cls.__name__}`)\n\n{doc}\n")
+        parts.append("| Variable | Flag | Type | Default | Meaning |\n|---|---|---|---|---|")
+        kinds = field_types(cls)
+        for f in dataclasses.fields(cls):
+            flags = ", ".join(f"`{o}`" for o in option_strings(f)) or "(variable only)"
+            default = shown_default(f)
+            cells = [
+                f"`{env_name(f)}`",
+                flags,
+                f"`{_type_name(kinds[f.name])}`",
+                f"`{default}`" if default else "unset",
+                f.metadata["doc"],
+            ]
+            parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        parts.append("")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> int:
+    DOC.write_text(render())
+    print(f"wrote {DOC}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

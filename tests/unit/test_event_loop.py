@@ -28,5 +28,5 @@ def test_auto_and_uvloop_run_on_uvloop(choice):
 def test_service_config_reads_the_loop_and_rejects_others(monkeypatch):
     monkeypatch.setenv("EPD_EVENT_LOOP", "asyncio")
     assert ServiceConfig.from_env().event_loop == "asyncio"
-    with pytest.raises(ValueError, match="event_loop must be auto, uvloop or asyncio"):
+    with pytest.raises(ValueError, match="event_loop must be one of auto, uvloop, asyncio"):
         ServiceConfig(event_loop="trio")

@@ -16,7 +16,6 @@ import pytest
 from cache_svc.config import SemanticCacheConfig
 from gateway.config import GatewayConfig
 from launch.cli import build_parser
-from launch.config_docs import field_comments
 from services.config import EngineConfig, ServiceConfig
 from services.metrics import subject_kind
 from services.observability import (
@@ -44,13 +43,6 @@ def test_every_option_has_help_and_every_variable_is_listed(command):
     for cls in CONFIGS:
         for f in dataclasses.fields(cls):
             assert f"EPD_{f.name.upper()}" in text, f.name
-
-
-def test_field_comments_read_the_comment_above_each_field():
-    docs = field_comments(ServiceConfig)
-    assert docs["grpc_port"] == "Gateway gRPC port (0: any free port)."
-    assert docs["host"] == ""  # no comment of its own: not the one above it
-    assert "Prometheus" in field_comments(ObservabilityConfig)["metrics_port"]
 
 
 def _capture(fmt: str) -> tuple[logging.Logger, io.StringIO]:
