@@ -20,7 +20,11 @@ def add_bench_parser(sub: Any) -> None:
         "goodput, errors by kind and cache hits by kind.",
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="server's /v1 URL")
-    p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name sent in each request (default: the first of the server's /v1/models)",
+    )
     p.add_argument(
         "--endpoint",
         choices=("chat", "completions"),

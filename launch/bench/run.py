@@ -155,6 +155,26 @@ async def measure(
         return records, io.clock() - start
 
 
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    headers = {k.strip(): v.strip() for k, v in (h.split(":", 1) for h in args.header)}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    return headers
+
+
+async def first_served_model(args: argparse.Namespace, io: RunIO) -> str:
+    """The first model of the server's ``/v1/models`` (``vllm bench serve`` does the same
+    when ``--model`` is not given)."""
+    url = args.base_url.rstrip("/") + "/models"
+    async with httpx.AsyncClient(timeout=args.timeout, transport=io.transport) as client:
+        try:
+            response = await client.get(url, headers=_headers(args))
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:
+            raise ValueError(f"--model not given and {url} named no model: {e!r}") from e
+
+
 def _sender(
     args: argparse.Namespace,
     client: httpx.AsyncClient,
@@ -164,9 +184,7 @@ def _sender(
     """Build and send one request's body; the record is tagged with the dataset's facts."""
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     url = args.base_url.rstrip("/") + path
-    headers = {k.strip(): v.strip() for k, v in (h.split(":", 1) for h in args.header)}
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key}"
+    headers = _headers(args)
 
     async def send(req: BenchRequest) -> RequestRecord:
         body = build_payload(req, args.model, args.endpoint)
@@ -180,6 +198,8 @@ def _sender(
 async def _runs(args: argparse.Namespace, io: RunIO) -> list[dict[str, Any]]:
     """Every (rate, cap) run of the sweep, in order, on the same requests."""
     check_args(args)
+    if args.model is None:
+        args.model = await first_served_model(args, io)
     slo = parse_goodput(args.goodput)
     reqs = dataset_requests(args, args.warmup + args.num_prompts)
     pairs = list(

@@ -31,6 +31,7 @@ class Sim:
     def __init__(self) -> None:
         self.now = 0.0
         self.bodies: list[dict] = []
+        self.models = [{"id": "served-first", "object": "model"}, {"id": "other"}]
         self.headers: list[httpx.Headers] = []
 
     def clock(self) -> float:
@@ -41,6 +42,9 @@ class Sim:
 
     def transport(self) -> httpx.MockTransport:
         def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/models"):
+                self.headers.append(request.headers)
+                return httpx.Response(200, json={"object": "list", "data": self.models})
             body = json.loads(request.content)
             self.bodies.append(body)
             self.headers.append(request.headers)
@@ -67,10 +71,22 @@ class Sim:
         return RunIO(transport=self.transport(), clock=self.clock, sleep=self.sleep)
 
 
-def _args(*flags: str):
+def _args(*flags: str, model: tuple[str, ...] = ("--model", "m")):
     return build_parser().parse_args(
-        ["bench", "serve", "--model", "m", "--no-progress", "--random-input-len", "4", *flags]
+        ["bench", "serve", *model, "--no-progress", "--random-input-len", "4", *flags]
     )
+
+
+async def test_without_model_the_first_served_model_is_asked() -> None:
+    sim = Sim()
+    flags = ("--num-prompts", "2", "--random-output-len", "2", "--api-key", "k")
+    doc = await bench_serve(_args(*flags, model=()), sim.io())
+    assert doc["config"]["model"] == "served-first"
+    assert {b["model"] for b in sim.bodies} == {"served-first"}
+    assert sim.headers[0]["authorization"] == "Bearer k"  # /v1/models sees the key too
+    sim.models = []
+    with pytest.raises(ValueError, match="named no model"):
+        await bench_serve(_args(*flags, model=()), sim.io())
 
 
 def _e2e(tokens: int) -> float:
