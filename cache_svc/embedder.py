@@ -82,7 +82,10 @@ class SentenceBatcher:
 
     def __init__(self, embedder: SentenceEmbedder, max_batch: int = 64, recent: int = 1024):
         self.embedder = embedder
-        self._batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(embedder, max_batch=max_batch)
+        # Through self.embedder at each pass, so a swapped-in model (a test's) is the one used.
+        self._batcher: MicroBatcher[str, np.ndarray] = MicroBatcher(
+            lambda texts: self.embedder(texts), max_batch=max_batch
+        )
         self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
         self._recent_max = recent
         self._inflight: dict[str, asyncio.Future] = {}
