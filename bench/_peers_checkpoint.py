@@ -1,6 +1,6 @@
 """Checkpoints every system in ``serving_peers.py`` serves, built once into a cache dir.
 
-- ``text``: the shared checkpoint of ``../shared/peers.md``: a random-weight Llama in fp32
+- ``text``: the shared checkpoint of ``docs/serving-peers.md``: a random-weight Llama in fp32
   (hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32,000) with an offline WordLevel fast
   tokenizer (``<unk> <s> </s> w3 ... w31999``) and a trivial chat template. Prompts go as
   token ids, so no system's tokenizer changes what the model sees.

@@ -4,7 +4,7 @@ Every system is one command line (``epd up``, ``vllm``'s api_server module, llam
 ``llama-server``) run under ``taskset`` on the server cores with the same thread count;
 ``epd up`` and vLLM start further processes, which inherit the affinity, so the whole tree
 stays on those cores. Health is ``GET /health`` = 200 on each (all three answer it).
-A peer whose venv is missing is left out with a message; setup is in ../shared/peers.md.
+A peer whose venv is missing is left out with a message; setup is in docs/serving-peers.md.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def vllm_system(venv: Path, model_dir: Path, threads: int) -> System | None:
     """``vllm serve`` of the CPU build (the api_server module: its console script fails)."""
     python = venv / "bin" / "python"
     if not python.exists():
-        log.warning("vllm: skipped (no venv at %s; see ../shared/peers.md)", venv)
+        log.warning("vllm: skipped (no venv at %s; see docs/serving-peers.md)", venv)
         return None
     port = free_port(HOST)
     argv = [
@@ -137,7 +137,7 @@ def llama_binary(peers: Path) -> Path:
 def llama_system(binary: Path, gguf: Path | None, threads: int, slots: int) -> System | None:
     """llama.cpp's ``llama-server`` on the f32 GGUF, ``slots`` parallel sequences."""
     if not binary.exists() or gguf is None:
-        log.warning("llama.cpp: skipped (no %s; see ../shared/peers.md)", binary)
+        log.warning("llama.cpp: skipped (no %s; see docs/serving-peers.md)", binary)
         return None
     port = free_port(HOST)
     # 512 context tokens per slot: every workload here fits (prompt + output <= 512).

@@ -1,6 +1,6 @@
 """The ecosystem's benchmark clients, ``guidellm`` and ``aiperf``, against one server.
 
-Each runs from its own venv under the peers dir (../shared/peers.md) with the workload of
+Each runs from its own venv under the peers dir (docs/serving-peers.md) with the workload of
 one ``epd bench serve`` case: prompts of ``isl`` tokens of the shared vocabulary (words
 ``w<id>``, one token each for every tokenizer of the checkpoint), ``osl`` output tokens
 (``ignore_eos``), a concurrency cap and a request count. Their own result files give the

@@ -2,7 +2,7 @@
 
     flock /tmp/bench.lock taskset -c 0 python bench/prefill_attention_e2e.py --rounds 2
 
-One process, one ``LLM`` on the shared checkpoint of ``vs_vllm.py`` (../shared/peers.md),
+One process, one ``LLM`` on the shared checkpoint of ``vs_vllm.py`` (docs/serving-peers.md),
 1 thread, the workloads of ``_vs_vllm_workloads.py`` (default: ``long``, 16 x 2000 -> 32,
 and ``mixed``, 256 requests U[32,512] -> U[16,256]). Each round runs every workload twice,
 the order swapping every round: "before" plans attention as the backend did before the tile

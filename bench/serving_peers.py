@@ -9,7 +9,7 @@ Run time depends on the machine's load: on the shared 2-core machine (load 10-28
 ``mm`` group's round ~15 minutes; ``--quick``, ``--rounds 1``, ``--systems`` and
 ``--cases`` cut it down.
 
-Same checkpoint (``_peers_checkpoint.py``: the random Llama of ../shared/peers.md, and for
+Same checkpoint (``_peers_checkpoint.py``: the random Llama of docs/serving-peers.md, and for
 images the demo LLaVA with a ViT-B/16-sized tower), same prompt token ids, same threads.
 Servers run on core 0 (``taskset``), this client on core 1 (``--threads 2``: servers on
 both cores, the client unpinned). Every system of a group is started once and stays up;

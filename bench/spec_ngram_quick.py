@@ -17,7 +17,7 @@ The prompt is a piece of Python source written twice: a model that learned to co
 continues it with a third copy, which prompt lookup drafts exactly. ``--random-prompt N``
 instead feeds N random token ids (seed 0), for a checkpoint without a real tokenizer: a
 random-weight model's greedy continuation falls into runs of one repeated token, which
-prompt lookup drafts too (the peers checkpoint of /work/shared/peers.md, a weight-bound
+prompt lookup drafts too (the peers checkpoint of docs/serving-peers.md, a weight-bound
 56 M-parameter Llama).
 """
 

@@ -8,7 +8,7 @@ Each system runs in its own process (``_vs_vllm_worker.py``; vLLM's in the inter
 given by ``--vllm-python``), loaded once per thread count and pinned with ``taskset`` (the
 whole process tree: vLLM's engine core and worker too) to ``--cpus`` (1 thread) or
 ``--cpus2`` (2 threads). Both get the same checkpoint (``_peers_checkpoint.py``: the
-random Llama of ../shared/peers.md), the same prompt ids (``_vs_vllm_workloads.py``),
+random Llama of docs/serving-peers.md), the same prompt ids (``_vs_vllm_workloads.py``),
 greedy sampling with ``ignore_eos``, 1 GiB of KV cache, prefix caching on and reset before
 every call. Workloads run one ``generate`` call each, the systems alternating (who goes
 first swaps every round); the system not running is SIGSTOPped meanwhile (an idle vLLM's
@@ -212,7 +212,7 @@ class Worker:
 
 
 def _vllm_env(python: Path, threads: int, cpus: str) -> dict[str, str]:
-    """vLLM's CPU settings (../shared/peers.md): its OpenMP threads bound to ``cpus``."""
+    """vLLM's CPU settings (docs/serving-peers.md): its OpenMP threads bound to ``cpus``."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": _bind(cpus, threads),
