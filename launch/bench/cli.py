@@ -41,29 +41,7 @@ def add_bench_parser(sub: Any) -> None:
         "paraphrase (semantic-cache seeds, repeats, paraphrases, negatives)",
     )
     p.add_argument("--num-prompts", type=int, default=200, help="requests measured (200)")
-    p.add_argument("--random-input-len", type=int, default=256, help="prompt words (256)")
-    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens (128)")
-    p.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [L*(1-r), L*(1+r)] (0: fixed)",
-    )
-    p.add_argument(
-        "--random-token-ids",
-        action="store_true",
-        help="random prompts as token ids (prompt: [ids] on /completions), so "
-        "servers with different tokenizers get the same prompt tokens",
-    )
-    p.add_argument(
-        "--random-token-id-min", type=int, default=1000, help="smallest prompt token id (1000)"
-    )
-    p.add_argument(
-        "--random-token-id-max",
-        type=int,
-        default=30000,
-        help="prompt token ids are below this (30000; keep it within the vocab)",
-    )
+    _add_random_flags(p)
     p.add_argument(
         "--request-rate",
         type=float,
@@ -91,6 +69,33 @@ def add_bench_parser(sub: Any) -> None:
     _add_dataset_flags(p)
     _add_load_flags(p)
     p.set_defaults(func=run_bench_serve)
+
+
+def _add_random_flags(p: argparse.ArgumentParser) -> None:
+    """The random datasets' lengths and token ids."""
+    p.add_argument("--random-input-len", type=int, default=256, help="prompt words (256)")
+    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens (128)")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [L*(1-r), L*(1+r)] (0: fixed)",
+    )
+    p.add_argument(
+        "--random-token-ids",
+        action="store_true",
+        help="random prompts as token ids (prompt: [ids] on /completions), so "
+        "servers with different tokenizers get the same prompt tokens",
+    )
+    p.add_argument(
+        "--random-token-id-min", type=int, default=1000, help="smallest prompt token id (1000)"
+    )
+    p.add_argument(
+        "--random-token-id-max",
+        type=int,
+        default=30000,
+        help="prompt token ids are below this (30000; keep it within the vocab)",
+    )
 
 
 def _add_dataset_flags(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,26 @@ from services.kernels.metadata import DecoderStack
 _F32 = torch.float32
 
 
+def _layer_pointers(w, kc, vc) -> list[int | None]:
+    """One layer's row of the table, in the order csrc/epd_decode.c reads it."""
+    return [
+        _ptr(w.input_norm),
+        _ptr(w.qkv),
+        _ptr(w.qkv_bias),
+        _ptr(w.q_norm),
+        _ptr(w.k_norm),
+        _ptr(w.o),
+        _ptr(w.o_bias),
+        _ptr(w.post_norm),
+        _ptr(w.gate_up),
+        _ptr(w.gate_up_bias),
+        _ptr(w.down),
+        _ptr(w.down_bias),
+        _ptr(kc),
+        _ptr(vc),
+    ]
+
+
 class StackPointers:
     """A DecoderStack and KV caches as the native step takes them: a [layers, 14] table of
     addresses, checked once. Holds the tensors, so the addresses stay valid."""
@@ -73,24 +93,7 @@ class StackPointers:
                 and _fp32(kc, vc)
                 and kc.shape == vc.shape == cache_shape
             )
-            rows.append(
-                [
-                    _ptr(w.input_norm),
-                    _ptr(w.qkv),
-                    _ptr(w.qkv_bias),
-                    _ptr(w.q_norm),
-                    _ptr(w.k_norm),
-                    _ptr(w.o),
-                    _ptr(w.o_bias),
-                    _ptr(w.post_norm),
-                    _ptr(w.gate_up),
-                    _ptr(w.gate_up_bias),
-                    _ptr(w.down),
-                    _ptr(w.down_bias),
-                    _ptr(kc),
-                    _ptr(vc),
-                ]
-            )
+            rows.append(_layer_pointers(w, kc, vc))
         self.table = torch.tensor([[p or 0 for p in r] for r in rows], dtype=torch.int64)
         self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks, self.block_size]
         self._buffers: tuple | None = None
