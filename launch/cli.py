@@ -74,7 +74,7 @@ def _generate(args) -> int:
     cfg = engine_config(args)
     llm = LLM(**vars(cfg))
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.request_seed
     )
     images = [Path(p).read_bytes() for p in args.image]
     if args.raw:
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", dest="request_seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     # --seed above is the request's; the engine's own seed stays EPD_SEED.
     add_settings(gen, "engine", "logs and metrics", exclude=("metrics_port", "seed"))

@@ -76,3 +76,9 @@ def test_list_flags_repeat_and_model_fills_both_settings(monkeypatch):
     assert gateway.models == ("a", "b") and gateway.api_key == ("k1", "k2")
     assert engine_config(args).model == "a"
     assert "k1" not in repr(gateway)  # secrets stay out of logs
+
+
+def test_generate_seed_is_the_requests_not_the_engines(monkeypatch):
+    monkeypatch.delenv("EPD_SEED", raising=False)
+    args = build_parser().parse_args(["generate", "hi", "--seed", "5"])
+    assert args.request_seed == 5 and engine_config(args).seed == 0
