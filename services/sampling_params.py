@@ -6,6 +6,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from services.structured.outputs import StructuredOutputs
+
 # Seeds travel to the sampler as int64.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -48,6 +50,9 @@ class SamplingParams:
     # applies stop strings itself, then aborts the request on the workers.
     detokenize: bool = True
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict is read as
+    # vLLM's structured_outputs object); enforced token by token in the sampler.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +61,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
         self._check()
 
     def _check(self) -> None:

@@ -18,6 +18,7 @@ from services.engine.parallel_sampling import ParallelSampling, child_request_id
 from services.engine.request import Request
 from services.outputs import RequestOutput, TokenLogprobs
 from services.sampling_params import SamplingParams
+from services.structured.matcher import GrammarSet
 
 if TYPE_CHECKING:
     from services.config import EngineConfig
@@ -40,6 +41,7 @@ class EngineRequests:
     loaded: LoadedModel
     model: torch.nn.Module
     tokenizer: Any  # transformers' AutoTokenizer
+    grammars: GrammarSet
     image_preprocessor: ImagePreprocessor | None
     eos_token_ids: tuple[int, ...]
     max_model_len: int
@@ -88,6 +90,8 @@ class EngineRequests:
             raise ValueError("n > 1 is not served in the prefill role (one request per choice)")
         p = self.inputs.process(prompt, add_special_tokens)
         resume = self.inputs.check_ids(resume or [], "resumed output")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         self._check_budget(len(p.token_ids) + len(resume))
         embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
         if params.n == 1:
@@ -128,6 +132,8 @@ class EngineRequests:
             self.max_model_len,
         )
         req.output_token_ids = list(resume)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.matcher(params.structured_outputs, list(resume))
         # The scheduler's checks may still reject it: nothing else may be touched before
         # (no state left behind, no draw from the shared seed stream).
         self.scheduler.add_request(req, front=front)

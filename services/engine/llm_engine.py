@@ -30,6 +30,7 @@ from services.kernels.backend import get_backend
 from services.models.factory import LoadedModel, load_model, resolve_device
 from services.models.registry import is_multimodal
 from services.outputs import RequestOutput
+from services.structured.matcher import GrammarSet
 from services.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class LLMEngine(EngineRequests):
         self.multimodal = is_multimodal(lm.model)
         self.image_preprocessor = ImagePreprocessor(lm.model_dir) if self.multimodal else None
         self.eos_token_ids = lm.info.eos_token_ids(self.tokenizer.eos_token_id)
+        self.grammars = GrammarSet(
+            self.tokenizer, list(self.eos_token_ids), lm.text_config.vocab_size
+        )
         self.max_model_len = lm.max_model_len
         self.kv = self._make_kv_pool(lm)
         self.block_manager = BlockManager(

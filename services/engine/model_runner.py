@@ -253,10 +253,12 @@ class ModelRunner:
 
 
 def plain_greedy(req: Request) -> bool:
-    """Greedy with no logprobs and nothing that edits the logits (penalties, min_tokens)."""
+    """Greedy with no logprobs and nothing that edits the logits (penalties, min_tokens,
+    a grammar)."""
     sp = req.sampling_params
     return (
         sp.greedy
+        and sp.structured_outputs is None
         and sp.logprobs is None
         and not sp.has_penalties
         and req.num_output_tokens >= sp.min_tokens

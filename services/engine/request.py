@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.sampling_params import SamplingParams
 
@@ -67,6 +68,9 @@ class Request:
     # here (None once the first token is out, or when the KV was imported).
     first_scheduled_time: float | None = None
     prefill_start_time: float | None = None
+    # Structured outputs: this request's matcher (services/structured/matcher.py), which
+    # the sampler masks by and advances; None when unconstrained.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ from services.engine.request import Request
 from services.kernels.backend import Backend
 from services.kernels.metadata import SamplingTensors
 from services.outputs import TokenLogprobs
+from services.structured.matcher import apply_masks
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -31,10 +32,11 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def mask_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Before min_tokens, no stop token may be drawn."""
+    """Before min_tokens, no stop token may be drawn (unless a grammar has ended: its end
+    wins, as its mask then allows nothing else)."""
     for i, req in enumerate(reqs):
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        if req.num_output_tokens >= sp.min_tokens or getattr(req, "grammar", None) is not None:
             continue
         banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
         banned = [t for t in banned if 0 <= t < logits.shape[1]]
@@ -87,9 +89,19 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Requ
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], seeds: list[int], backend: Backend):
-    """logits [S, V] fp32 (raw) -> (token ids [S], per-request logprobs or None)."""
+    """logits [S, V] fp32 (raw) -> (token ids [S], per-request logprobs or None).
+
+    A constrained row's grammar masks its logits first, so everything after (penalties,
+    the draw, logprobs) sees the constrained distribution; its matcher then advances
+    over the token drawn."""
+    constrained = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+    if constrained:
+        logits = logits.clone()
+        apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
     raw = logits
     if any(r.sampling_params.has_penalties or r.sampling_params.min_tokens for r in reqs):
         logits = mask_min_tokens(apply_penalties(logits.clone(), reqs), reqs)
     tokens = backend.sample(logits, sampling_tensors(reqs, seeds, logits.device))
+    for i in constrained:
+        reqs[i].grammar.accept(int(tokens[i]))
     return tokens, compute_logprobs(raw, tokens, reqs)

@@ -148,3 +148,34 @@ def random_image(seed: int, size=(40, 30)) -> Image.Image:
     g = torch.Generator().manual_seed(seed)
     arr = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
     return Image.fromarray(arr)
+
+
+def make_byte_bpe_checkpoint(root: Path, kind: str = "qwen2", seed: int = 0) -> Path:
+    """A tiny checkpoint whose tokenizer is byte-level BPE (the Qwen / Llama 3 kind),
+    trained here on a few lines; every byte is a token, so any text can be written."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = root / f"{kind}-bytebpe-{seed}"
+    if (out / "config.json").exists():
+        return out
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    lines = ['{"name": "value", "count": 12, "ok": true}', "the quick brown fox 0123456789"]
+    bpe.train_from_iterator(lines * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok.save_pretrained(str(out))
+    eos = tok.eos_token_id
+    cfg = _text_config(kind, len(tok), tok, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    _randomize(model, seed)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(str(out))
+    return out

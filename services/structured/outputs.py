@@ -1,0 +1,102 @@
+"""``StructuredOutputs``: what a request constrains its output to, shaped like vLLM's
+``StructuredOutputsParams`` (one of ``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``), and its llguidance grammar."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# JSON whitespace between tokens is bounded: with free whitespace a weak (or random)
+# model can emit spaces until max_tokens (vLLM's disable_any_whitespace does the same).
+JSON_WHITESPACE = {"whitespace_pattern": r"[ ]?"}
+MAX_SCHEMA_BYTES = 64 << 10  # a schema is compiled per request: bound its size
+MAX_SCHEMA_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint. ``json``: a JSON schema (dict or its text); ``regex``;
+    ``choice``: the output is one of these strings; ``grammar``: Lark, or GBNF when it
+    uses ``::=``; ``json_object``: any JSON object. Validated at construction; whether
+    it compiles for a tokenizer is checked by the engine when the request is added."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be non-empty strings")
+        if self.json is not None:
+            _check_schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> StructuredOutputs:
+        """From a request's ``structured_outputs`` object (unknown keys refused)."""
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be an object")
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported key(s) {unknown}")
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+    def key(self) -> str:
+        """A stable text naming this constraint (caches key answers by it)."""
+        body = {k: v for k, v in vars(self).items() if v not in (None, False)}
+        return json.dumps(body, sort_keys=True, default=list)
+
+    def lark(self) -> str:
+        """The llguidance grammar text (Lark with its ``%json`` / regex extensions)."""
+        from llguidance import LLMatcher, grammar_from
+
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_WHITESPACE)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_from("choice", json.dumps(list(self.choice)))
+        text = self.grammar or ""
+        return grammar_from("gbnf" if "::=" in text else "lark", text)
+
+
+def _check_schema(schema: dict | str) -> None:
+    if isinstance(schema, str):
+        if len(schema.encode()) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"structured_outputs.json is larger than {MAX_SCHEMA_BYTES} bytes")
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
+    if not isinstance(schema, dict):
+        raise ValueError("structured_outputs.json must be a JSON schema object")
+    if len(json.dumps(schema).encode()) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"structured_outputs.json is larger than {MAX_SCHEMA_BYTES} bytes")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"structured_outputs.json is nested deeper than {MAX_SCHEMA_DEPTH}")
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
