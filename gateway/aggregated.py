@@ -24,6 +24,7 @@ from services.engine.parallel_sampling import child_request_id
 from services.images import decode_image
 from services.metrics import ENCODE_BATCH
 from services.microbatch import MicroBatcher
+from services.structured.outputs import StructuredOutputs
 
 
 class AggregatedBackend:
@@ -98,6 +99,11 @@ class AggregatedBackend:
             raise BackendError("UNAVAILABLE", str(e)) from e
         finally:
             await outputs.aclose()
+
+    async def check_constraint(self, constraint: StructuredOutputs) -> None:
+        """ValueError when the engine cannot compile ``constraint`` (in a thread: the
+        first one builds the tokenizer's table)."""
+        await asyncio.to_thread(self.engine.engine.grammars.check, constraint)
 
     async def abort(self, prep: PreparedRequest, index: int | None = None) -> None:
         rid = prep.request_id

@@ -15,7 +15,7 @@ from typing import Protocol
 from gateway.config import GatewayConfig
 from gateway.dashboard.stats import RollingStats
 from gateway.events import BackendError, TokenEvent
-from gateway.prepare import PreparedRequest, RequestPreparer
+from gateway.prepare import InvalidRequest, PreparedRequest, RequestPreparer
 from gateway.response_cache import ResponseCache, replay
 from gateway.stream import Delta, OutputStream
 from gateway.timing import RequestTimer, outcome_of
@@ -60,6 +60,7 @@ class GatewayCore:
     async def prepare(self, **kwargs) -> PreparedRequest:
         """RequestPreparer.prepare, in a thread when the request is large. From here on
         the caller's log lines carry the internal request id (the client's is only echoed)."""
+        constraint_param = kwargs.pop("constraint_param", "structured_outputs")
         images = kwargs.get("images") or ()
         size = sum(len(im) for im in images) + len(kwargs.get("prompt") or "")
         if kwargs.get("messages") is not None:
@@ -69,6 +70,12 @@ class GatewayCore:
                 prep = await asyncio.to_thread(lambda: self.preparer.prepare(**kwargs))
             else:
                 prep = self.preparer.prepare(**kwargs)
+            constraint = prep.params.structured_outputs
+            if constraint is not None:  # compiled now: a bad one is a 400 before any work
+                try:
+                    await self.backend.check_constraint(constraint)
+                except ValueError as e:
+                    raise InvalidRequest(f"{constraint_param}: {e}", constraint_param) from e
         except Exception as e:
             REQUESTS.labels(outcome_of(e)).inc()
             raise

@@ -33,6 +33,7 @@ from services.engine.parallel_sampling import child_request_id as choice_request
 from services.metrics import MIGRATIONS
 from services.models.info import ModelInfo
 from services.sampling_params import choice_seed
+from services.structured.outputs import StructuredOutputs
 from services.wire import STATUS, params_to_proto, spans_to_proto
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,12 @@ class DisaggregatedBackend:
     async def stop(self) -> None:
         if self._own_link and self.link is not None:
             await self.link.stop()
+
+    async def check_constraint(self, constraint: StructuredOutputs) -> None:
+        raise ValueError(
+            "output constraints are served by `epd serve all` only: the fleet's bus "
+            "messages do not carry them yet"
+        )
 
     def ready(self) -> bool:
         """Serving needs a prefill and a decode instance (and an encoder for a VLM)."""

@@ -54,6 +54,7 @@ async def chat_completion(
     models.check_name(req.model or "")  # an unknown model: 404 before fetching images
     messages = await resolve_messages(media, req.messages)
     params = req.sampling_kwargs(req.max_new_tokens)
+    params["structured_outputs"], constraint_param = req.constraint()
     params["logprobs"] = req.num_logprobs
     core, prep = await models.prepare(
         model=req.model or "",
@@ -63,6 +64,7 @@ async def chat_completion(
         tenant=call.tenant(req.user),
         cache_mode=call.cache_mode,
         session_key=call.session or req.user or "",
+        constraint_param=constraint_param,
     )
     run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

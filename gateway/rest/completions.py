@@ -59,6 +59,7 @@ async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Re
     """Every prompt of the request runs on the model its first prompt resolves to."""
     req.check_supported()
     params = req.sampling_kwargs(req.max_tokens)
+    params["structured_outputs"], constraint_param = req.constraint()
     params["logprobs"] = req.logprobs
     preps, core, model = [], None, req.model or ""
     for prompt in req.prompts():
@@ -73,6 +74,7 @@ async def completion(models: ModelSet, req: CompletionRequest, call: Call) -> Re
             tenant=call.tenant(req.user),
             cache_mode=call.cache_mode,
             session_key=call.session or req.user or "",
+            constraint_param=constraint_param,
         )
         if core is None:
             core, prep = await models.prepare(**kwargs)

@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.prepare import InvalidRequest
+from services.structured.outputs import StructuredOutputs
 
 _INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
+_GUIDED = ("json", "regex", "choice", "grammar")
 
 
 class Unsupported(InvalidRequest):
@@ -77,7 +79,8 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
-    # vLLM's structured-output extras: not served yet.
+    # vLLM's structured outputs (docs/structured-outputs.md), and its older guided_* names.
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -92,9 +95,32 @@ class _Sampling(_Body):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise Unsupported("logit_bias", "logit_bias")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise Unsupported(name, "structured output")
+
+    def constraint(self) -> tuple[StructuredOutputs | None, str]:
+        """The output constraint asked for, and the field that asked (for errors)."""
+        asked = {
+            name: value
+            for name, value in (
+                ("structured_outputs", self.structured_outputs),
+                *((f"guided_{k}", getattr(self, f"guided_{k}")) for k in _GUIDED),
+                *self._format(),
+            )
+            if value is not None
+        }
+        if not asked:
+            return None, ""
+        if len(asked) > 1:
+            raise InvalidRequest(f"ask for one output constraint, not {sorted(asked)}", None)
+        ((param, value),) = asked.items()
+        if param.startswith("guided_"):
+            value = {param.removeprefix("guided_"): value}
+        try:
+            return StructuredOutputs.from_dict(value), param
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(f"{param}: {e}", param) from e
+
+    def _format(self) -> list[tuple[str, Any]]:
+        return []
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict:
         """SamplingParams keywords of the fields the client set (None: server default)."""
@@ -144,10 +170,6 @@ class ChatCompletionRequest(_Sampling):
             raise Unsupported("tools" if self.tools else "functions", "tool calling")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
             raise Unsupported("tool_choice", "tool calling")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise Unsupported(
-                "response_format", f"response_format {self.response_format.get('type')!r}"
-            )
         if self.modalities and set(self.modalities) != {"text"}:
             raise Unsupported("modalities", "output other than text")
         for name in ("audio", "prediction"):
@@ -155,6 +177,23 @@ class ChatCompletionRequest(_Sampling):
                 raise Unsupported(name, name)
         if any(m.tool_calls for m in self.messages):
             raise Unsupported("messages", "tool_calls in messages")
+
+    def _format(self) -> list[tuple[str, Any]]:
+        """``response_format`` as a structured_outputs object (None: plain text)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") in (None, "text"):
+            return []
+        if rf.get("type") == "json_object":
+            return [("response_format", {"json_object": True})]
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise InvalidRequest(
+                    "response_format.json_schema must be an object with a 'schema' object",
+                    "response_format",
+                )
+            return [("response_format", {"json": spec.get("schema") or {"type": "object"}})]
+        raise Unsupported("response_format", f"response_format {rf.get('type')!r}")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -306,7 +306,16 @@ ERRORS = [
     ("image_url not an object", _with_content([{"type": "image_url", "image_url": "x"}]), 400),
     ("prompt + max_tokens over the context", _chat_body(max_tokens=1000), 400),
     ("tools", _chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    ("response_format", _chat_body(response_format={"type": "json_schema"}), 400),
+    (
+        "response_format without its schema",
+        _chat_body(response_format={"type": "json_schema"}),
+        400,
+    ),
+    (
+        "response_format on the fleet (serve all only)",
+        _chat_body(response_format={"type": "json_object"}),
+        400,
+    ),
     ("10,000 stop strings", _chat_body(stop=[f"s{i}" for i in range(10_000)]), 400),
     ("no messages", {"model": "demo", "messages": []}, 400),
     ("unknown model", _chat_body(model="gpt-17"), 404),

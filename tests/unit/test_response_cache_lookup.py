@@ -164,3 +164,16 @@ async def test_a_replica_name_that_is_no_subject_token_is_ignored(name):
     assert await cache.lookup(prep, query, exact_only=True) is None
     assert await cache.lookup(prep, query, exact_only=False) is not None
     assert client.replicas == ["", ""] and prep.cache_replica == ""
+
+
+def test_an_output_constraint_keys_the_answer():
+    cache, _, _ = _setup(False)
+
+    def fingerprint(constraint) -> str:
+        params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=constraint)
+        prep = PreparedRequest("r", [1, 2, 3], params, messages=[{"role": "user", "content": "q"}])
+        return cache.query(prep).fingerprint
+
+    plain, schema = fingerprint(None), fingerprint({"json": {"type": "object"}})
+    assert len({plain, schema, fingerprint({"choice": ["a", "b"]})}) == 3
+    assert schema == fingerprint({"json": {"type": "object"}})
