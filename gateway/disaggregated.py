@@ -87,10 +87,9 @@ class DisaggregatedBackend:
             await self.link.stop()
 
     async def check_constraint(self, constraint: StructuredOutputs) -> None:
-        raise ValueError(
-            "output constraints are served by `epd serve all` only: the fleet's bus "
-            "messages do not carry them yet"
-        )
+        """ValueError when ``constraint`` does not compile (its syntax: the workers
+        compile it for the model's tokenizer)."""
+        constraint.check()
 
     def ready(self) -> bool:
         """Serving needs a prefill and a decode instance (and an encoder for a VLM)."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
 from services.engine.request import ImageSpan
 from services.outputs import Logprob, TokenLogprobs
 from services.sampling_params import SamplingParams
+from services.structured.outputs import StructuredOutputs
 
 _SCALARS = (
     "top_k",
@@ -56,7 +59,32 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
     for name in ("seed", "max_tokens", "logprobs", "n"):
         if getattr(sp, name) is not None:
             setattr(msg, name, getattr(sp, name))
+    if sp.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(constraint_to_proto(sp.structured_outputs))
     return msg
+
+
+def constraint_to_proto(so: StructuredOutputs) -> pb.StructuredOutputs:
+    if so.json is not None:
+        text = so.json if isinstance(so.json, str) else json.dumps(so.json)
+        return pb.StructuredOutputs(json=text)
+    if so.choice is not None:
+        return pb.StructuredOutputs(choice=pb.Choices(items=list(so.choice)))
+    if so.json_object:
+        return pb.StructuredOutputs(json_object=True)
+    if so.regex is not None:
+        return pb.StructuredOutputs(regex=so.regex)
+    return pb.StructuredOutputs(grammar=so.grammar)
+
+
+def constraint_from_proto(msg: pb.StructuredOutputs) -> dict | None:
+    """The ``structured_outputs`` object of a message (None: no constraint)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return {"choice": list(msg.choice.items)}
+    return {kind: getattr(msg, kind)}
 
 
 def params_kwargs(msg: pb.SamplingParams) -> dict:
@@ -79,6 +107,8 @@ def params_kwargs(msg: pb.SamplingParams) -> dict:
     ):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
+    if msg.HasField("structured_outputs"):
+        kw["structured_outputs"] = constraint_from_proto(msg.structured_outputs)
     return dict(kw, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids))
 
 

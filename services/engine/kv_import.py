@@ -125,6 +125,8 @@ class KVImports:
             eng.max_model_len,
         )
         req.output_token_ids = [*token_ids[num_prompt:], int(first_token)]
+        if params.structured_outputs is not None:  # its matcher, past the tokens so far
+            req.grammar = eng.grammars.matcher(params.structured_outputs, req.output_token_ids)
         eng.kv.write_blocks(holder.block_ids, kv_blocks)
         req.block_ids, holder.block_ids = holder.block_ids, []
         req.num_computed_tokens = len(token_ids)

@@ -29,16 +29,10 @@ class GrammarSet:
 
     def check(self, constraint: StructuredOutputs) -> str:
         """The grammar text, or ValueError saying why it does not compile."""
-        from llguidance import LLMatcher
-
         try:
-            grammar = constraint.lark()
-        except (ValueError, TypeError, RuntimeError) as e:
+            return constraint.check(self.ll)
+        except ValueError as e:
             raise ValueError(f"structured_outputs: {e}") from e
-        error = LLMatcher.validate_grammar(grammar, self.ll)
-        if error:
-            raise ValueError(f"structured_outputs: {error}")
-        return grammar
 
     def matcher(self, constraint: StructuredOutputs, produced: list[int]) -> Matcher:
         """A request's matcher, advanced over the tokens it has already produced (a

@@ -63,6 +63,21 @@ class StructuredOutputs:
         body = {k: v for k, v in vars(self).items() if v not in (None, False)}
         return json.dumps(body, sort_keys=True, default=list)
 
+    def check(self, tokenizer=None) -> str:
+        """The grammar text, or ValueError saying why it does not compile (against
+        ``tokenizer``, an ``LLTokenizer``, when given; else its syntax alone, which
+        needs no model: the fleet's gateway checks that much)."""
+        from llguidance import LLMatcher
+
+        try:
+            grammar = self.lark()
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(str(e)) from e
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise ValueError(error)
+        return grammar
+
     def lark(self) -> str:
         """The llguidance grammar text (Lark with its ``%json`` / regex extensions)."""
         from llguidance import LLMatcher, grammar_from

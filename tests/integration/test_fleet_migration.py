@@ -7,6 +7,7 @@ against the same request run undisturbed (greedy: identical)."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 import pytest
@@ -177,3 +178,27 @@ async def test_kill9_of_a_prefill_holding_a_request_is_retried(gateway_factory, 
     )
     assert list((await call).token_ids) == reference
     assert MIGRATIONS.labels("prefill", "retry")._value.get() - before == 1
+
+
+async def test_kill9_mid_constrained_streams_keeps_every_grammar(gateway_factory, fleet):
+    """Constrained requests (over gRPC) migrate too: the new prefill and decode rebuild
+    each matcher from the tokens already sent, so the output goes on under it."""
+    gw, stub = await gateway_factory("consistent_hash")
+    constraint = pb.StructuredOutputs(regex="[a-z]{240}")
+    reqs = [_request(300 + i, tokens=120) for i in range(8)]
+    for r in reqs:
+        r.sampling.ignore_eos = False
+        r.sampling.structured_outputs.CopyFrom(constraint)
+    reference = await _reference(stub, reqs)
+    victims = []
+
+    async def kill_the_busy_one() -> None:
+        load = _decode_load(gw)
+        victims.append(next(w for w in fleet.workers if w.instance_id == max(load, key=load.get)))
+        victims[0].kill()
+
+    got = await _streams(stub, reqs, kill_the_busy_one, metadata=(("x-session-id", "s3"),))
+    assert victims, "the kill never happened"
+    assert got == reference
+    texts = [(await stub.GenerateOnce(r, timeout=120)).text for r in reqs[:2]]
+    assert all(re.fullmatch(r"[a-z]+", t) for t in texts), texts

@@ -172,3 +172,30 @@ def test_the_key_names_the_constraint():
     a = StructuredOutputs(json={"type": "object", "properties": {"a": {}}})
     b = StructuredOutputs(json={"properties": {"a": {}}, "type": "object"})
     assert a.key() == b.key() != StructuredOutputs(json_object=True).key()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"json": SCHEMA},
+        {"json": json.dumps(SCHEMA)},
+        {"regex": "[a-c]+"},
+        {"choice": ["a", "b c"]},
+        {"grammar": 'root ::= "x"'},
+        {"json_object": True},
+    ],
+)
+def test_the_constraint_crosses_the_bus(value):
+    from services.wire import params_from_proto, params_to_proto
+
+    sent = SamplingParams(structured_outputs=value)
+    got = params_from_proto(params_to_proto(sent)).structured_outputs
+    assert got.lark() == sent.structured_outputs.lark()
+    assert params_from_proto(params_to_proto(SamplingParams())).structured_outputs is None
+
+
+def test_the_fleet_gateway_checks_syntax_without_a_model():
+    assert StructuredOutputs(regex="[0-9]+").check()
+    for bad in (StructuredOutputs(regex="([a-z"), StructuredOutputs(json={"type": "nonsense"})):
+        with pytest.raises(ValueError):
+            bad.check()
