@@ -20,6 +20,7 @@ from services.engine.step_meta import (
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
 from services.outputs import TokenLogprobs
+from services.structured.matcher import start_masks
 
 
 @dataclass
@@ -160,6 +161,9 @@ class ModelRunner:
         if not scheduled:
             return StepOutput({}, {})
         step = self.prepare(scheduled)
+        grammars = [r.grammar for r in step.sampling if r.grammar is not None]
+        # The grammars' masks are computed on their own thread while the forward runs.
+        masks = start_masks(grammars) if grammars else None
         hidden, _ = self._forward(step)
         if not step.sampling:
             return StepOutput({}, {})
@@ -169,7 +173,7 @@ class ModelRunner:
             return StepOutput(dict(zip(ids, tokens.tolist(), strict=True)), {})
         logits = self.model.compute_logits(hidden)
         seeds = [self.seeds.get(r.request_id, 0) for r in step.sampling]
-        tokens, lps = sample(logits, step.sampling, seeds, self.backend)
+        tokens, lps = sample(logits, step.sampling, seeds, self.backend, masks)
         sampled = dict(zip(ids, tokens.tolist(), strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, lps, strict=True) if lp is not None}
         return StepOutput(sampled, logprobs)

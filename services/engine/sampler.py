@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from services.engine.request import Request
 from services.kernels.backend import Backend
 from services.kernels.metadata import SamplingTensors
 from services.outputs import TokenLogprobs
-from services.structured.matcher import apply_masks
+from services.structured.matcher import apply_masks, forbidden_tokens
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -88,16 +90,27 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Requ
     return out
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], seeds: list[int], backend: Backend):
-    """logits [S, V] fp32 (raw) -> (token ids [S], per-request logprobs or None).
+def sample(
+    logits: torch.Tensor,
+    reqs: list[Request],
+    seeds: list[int],
+    backend: Backend,
+    masks: Future | None = None,
+):
+    """logits [S, V] fp32 (raw; constrained rows masked in place) -> (token ids [S],
+    per-request logprobs or None).
 
     A constrained row's grammar masks its logits first, so everything after (penalties,
     the draw, logprobs) sees the constrained distribution; its matcher then advances
-    over the token drawn."""
+    over the token drawn. ``masks``: those rows' forbidden tokens, started before the
+    forward (``start_masks``); else they are computed here."""
     constrained = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
     if constrained:
-        logits = logits.clone()
-        apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
+        if masks is not None:
+            forbidden = masks.result()
+        else:
+            forbidden = forbidden_tokens([reqs[i].grammar for i in constrained])
+        apply_masks(logits, constrained, forbidden)  # in place: raw logits are not kept
     raw = logits
     if any(r.sampling_params.has_penalties or r.sampling_params.min_tokens for r in reqs):
         logits = mask_min_tokens(apply_penalties(logits.clone(), reqs), reqs)

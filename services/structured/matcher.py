@@ -3,6 +3,7 @@ and the step's masks (``GrammarSet``)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,14 +43,14 @@ class GrammarSet:
         m = LLMatcher(self.ll, self.check(constraint), log_level=0)
         if produced and not m.consume_tokens(list(produced)):
             raise ValueError(f"structured_outputs: earlier tokens break it: {m.get_error()}")
-        return Matcher(m)
+        return Matcher(m, self._args[2])
 
 
 class Matcher:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher: Any):
-        self.m = matcher
+    def __init__(self, matcher: Any, vocab: int):
+        self.m, self.vocab = matcher, vocab  # vocab: the width of the model's logits
 
     def accept(self, token: int) -> None:
         """Advance over a sampled token (drawn under this matcher's mask). A token the
@@ -58,22 +59,39 @@ class Matcher:
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
-_executor = None
+_llg_executor = None
+# One thread computes a step's masks while the forward runs on the caller's: llguidance
+# releases the GIL, so on a CPU the masks take a core the forward's torch thread leaves.
+_mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-masks")
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
-    """Set the logits of tokens the grammars forbid to -inf, in place, for ``rows``
-    (the masks of all rows computed at once, on llguidance's threads)."""
-    global _executor
+def forbidden_tokens(matchers: list[Matcher]) -> torch.Tensor:
+    """[len(matchers), vocab] bool: the tokens each grammar forbids next (the masks
+    computed at once, on llguidance's own threads)."""
+    global _llg_executor
     from llguidance import LLExecutor
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
-    if _executor is None:
-        _executor = LLExecutor()
-    vocab = logits.shape[1]
-    bits = allocate_token_bitmask(len(rows), vocab)  # the tokenizer was built this wide
-    fill_next_token_bitmask_par(_executor, [(m.m, i) for i, m in enumerate(matchers)], bits)
-    allowed = (torch.from_numpy(np.ascontiguousarray(bits)).unsqueeze(-1) >> _SHIFTS) & 1
-    allowed = allowed.view(len(rows), -1)[:, :vocab].bool().to(logits.device)
+    if _llg_executor is None:
+        _llg_executor = LLExecutor()
+    vocab = matchers[0].vocab
+    bits = allocate_token_bitmask(len(matchers), vocab)
+    fill_next_token_bitmask_par(_llg_executor, [(m.m, i) for i, m in enumerate(matchers)], bits)
+    bit = (torch.from_numpy(np.ascontiguousarray(bits)).unsqueeze(-1) >> _SHIFTS) & 1
+    return bit.view(len(matchers), -1)[:, :vocab] == 0
+
+
+def start_masks(matchers: list[Matcher]) -> Future:
+    """``forbidden_tokens`` on the mask thread: start it before the forward, take its
+    result after."""
+    return _mask_thread.submit(forbidden_tokens, matchers)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], forbidden: torch.Tensor) -> None:
+    """Set the logits of ``rows`` that ``forbidden`` names to -inf, in place."""
+    forbidden = forbidden.to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: no gather, no scatter
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
