@@ -12,6 +12,8 @@ from gateway.rest.chat import resolve_messages
 from gateway.rest.protocol import DetokenizeRequest, TokenizeRequest
 from services.chat import render_chat
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
 
 def model_card(core: GatewayCore) -> dict:
     info = core.info
@@ -23,6 +25,10 @@ def model_card(core: GatewayCore) -> dict:
         "root": info.model_id,
         "max_model_len": info.max_model_len,
         "vision": info.vision,
+        # What a request may ask of this server beyond text (docs/structured-outputs.md).
+        "structured_outputs": list(STRUCTURED_KINDS),
+        "tool_calling": False,
+        "reasoning": False,
     }
 
 

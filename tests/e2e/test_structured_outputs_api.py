@@ -71,6 +71,12 @@ def test_json_schema_json_object_and_text(client):
     assert _chat(client, response_format={"type": "text"}, max_tokens=4).choices[0].message
 
 
+def test_models_say_what_is_supported(client):
+    (card,) = client.models.list().data
+    assert card.structured_outputs == ["json", "json_object", "regex", "choice", "grammar"]
+    assert card.tool_calling is False and card.reasoning is False
+
+
 def test_streamed_json_joins_to_a_valid_document(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
     stream = _chat(client, response_format=fmt, temperature=0.7, seed=2, stream=True)
