@@ -145,7 +145,8 @@ def _chat_template(model_dir: Path, config: dict) -> str | None:
     return template
 
 
-_CLEANUPS = [
+# transformers' clean_up_tokenization: the spaces a decode removes.
+CLEANUPS = [
     (" .", "."),
     (" ?", "?"),
     (" !", "!"),
@@ -162,7 +163,7 @@ _CLEANUPS = [
 def _clean_up(text: str) -> str:
     """transformers' ``clean_up_tokenization``: no space before punctuation and
     contractions (WordPiece decodes put one there)."""
-    for before, after in _CLEANUPS:
+    for before, after in CLEANUPS:
         text = text.replace(before, after)
     return text
 

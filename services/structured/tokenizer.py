@@ -13,20 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# What tokenizers' WordPiece decoder (cleanup on) rewrites in each token's text.
-_CLEANUP = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" do not", " don't"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
+from services.tokenizer_json import CLEANUPS
+
+# What tokenizers' WordPiece decoder (cleanup on) rewrites in each token's text:
+# transformers' clean-up, and one rewrite of its own.
+_CLEANUP = (*CLEANUPS, (" do not", " don't"))
 _SPECIAL = b"\xff"
 
 
