@@ -1,5 +1,5 @@
-"""Grammars in the sampler: the compiled tokenizer of a model, one matcher per request,
-and the step's masks (``GrammarSet``)."""
+"""Grammars in the sampler: a model's tokenizer for llguidance and each request's matcher
+(``GrammarSet``), and a step's masks (``start_masks``, ``apply_masks``)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ class GrammarSet:
     30 k tokens, ~1 s for 150 k) and makes each request's matcher."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int):
-        self._args = (tokenizer, list(eos_token_ids), vocab_size)
+        self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
+        self.vocab_size = vocab_size
         self._ll = None
-        self._executor = None
 
     @property
     def ll(self):
+        """The ``LLTokenizer`` (two threads asking first may both build it: harmless)."""
         if self._ll is None:
-            self._ll = guidance_tokenizer(*self._args)
+            self._ll = guidance_tokenizer(self.tokenizer, self.eos_token_ids, self.vocab_size)
         return self._ll
 
     def check(self, constraint: StructuredOutputs) -> str:
@@ -43,7 +44,7 @@ class GrammarSet:
         m = LLMatcher(self.ll, self.check(constraint), log_level=0)
         if produced and not m.consume_tokens(list(produced)):
             raise ValueError(f"structured_outputs: earlier tokens break it: {m.get_error()}")
-        return Matcher(m, self._args[2])
+        return Matcher(m, self.vocab_size)
 
 
 class Matcher:
