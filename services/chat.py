@@ -40,8 +40,10 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list]:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError("each message needs a role")
         content = m.get("content")
+        # Other keys (tool_calls, tool_call_id, name...) are the template's to read.
+        rest = {k: v for k, v in m.items() if k != "content"}
         if content is None or isinstance(content, str):
-            out.append({"role": m["role"], "content": content or ""})
+            out.append({**rest, "content": content or ""})
             continue
         parts = []
         for part in content:
@@ -52,18 +54,19 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list]:
                 parts.append({"type": "text", "text": part.get("text", "")})
             else:
                 raise ValueError(f"unsupported content part type {part.get('type')!r}")
-        out.append({"role": m["role"], "content": parts})
+        out.append({**rest, "content": parts})
     return out, images
 
 
 def render_chat(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
 ) -> tuple[str, list]:
-    """Apply the checkpoint's chat template; returns (prompt text, images in order)."""
+    """Apply the checkpoint's chat template (``template_kwargs``: ``tools`` and the
+    request's chat_template_kwargs); returns (prompt text, images in order)."""
     msgs, images = split_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template; send a raw prompt instead")
     text = tokenizer.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=add_generation_prompt
+        msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     return text, images

@@ -53,12 +53,18 @@ class SamplingParams:
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict is read as
     # vLLM's structured_outputs object); enforced token by token in the sampler.
     structured_outputs: StructuredOutputs | None = None
+    # A reasoning model's thinking budget (vLLM's thinking_token_budget): after this many
+    # output tokens without ``reasoning_end_token_ids``, those ids are forced
+    # (services/engine/thinking.py). None: unbounded.
+    thinking_token_budget: int | None = None
+    reasoning_end_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.reasoning_end_token_ids = [int(t) for t in self.reasoning_end_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -95,6 +101,13 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ValueError(f"seed must fit in int64, got {self.seed}")
+        if self.thinking_token_budget is not None:
+            if self.thinking_token_budget < 0:
+                raise ValueError(
+                    f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}"
+                )
+            if not self.reasoning_end_token_ids:
+                raise ValueError("thinking_token_budget needs reasoning_end_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -55,8 +55,9 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         stop=sp.stop,
         skip_special_tokens=sp.skip_special_tokens,
         detokenize=sp.detokenize,
+        reasoning_end_token_ids=sp.reasoning_end_token_ids,
     )
-    for name in ("seed", "max_tokens", "logprobs", "n"):
+    for name in ("seed", "max_tokens", "logprobs", "n", "thinking_token_budget"):
         if getattr(sp, name) is not None:
             setattr(msg, name, getattr(sp, name))
     if sp.structured_outputs is not None:
@@ -65,6 +66,12 @@ def params_to_proto(sp: SamplingParams) -> pb.SamplingParams:
 
 
 def constraint_to_proto(so: StructuredOutputs) -> pb.StructuredOutputs:
+    msg = _kind_to_proto(so)
+    msg.reasoning_end = so.reasoning_end or ""
+    return msg
+
+
+def _kind_to_proto(so: StructuredOutputs) -> pb.StructuredOutputs:
     if so.json is not None:
         text = so.json if isinstance(so.json, str) else json.dumps(so.json)
         return pb.StructuredOutputs(json=text)
@@ -82,9 +89,8 @@ def constraint_from_proto(msg: pb.StructuredOutputs) -> dict | None:
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
-    if kind == "choice":
-        return {"choice": list(msg.choice.items)}
-    return {kind: getattr(msg, kind)}
+    value = list(msg.choice.items) if kind == "choice" else getattr(msg, kind)
+    return {kind: value, "reasoning_end": msg.reasoning_end or None}
 
 
 def params_kwargs(msg: pb.SamplingParams) -> dict:
@@ -104,12 +110,18 @@ def params_kwargs(msg: pb.SamplingParams) -> dict:
         "skip_special_tokens",
         "detokenize",
         "n",
+        "thinking_token_budget",
     ):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     if msg.HasField("structured_outputs"):
         kw["structured_outputs"] = constraint_from_proto(msg.structured_outputs)
-    return dict(kw, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids))
+    return dict(
+        kw,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        reasoning_end_token_ids=list(msg.reasoning_end_token_ids),
+    )
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

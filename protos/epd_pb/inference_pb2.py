@@ -24,49 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pd/v1/inference.proto\x12\x06\x65pd.v1\"\xc8\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x17\n\ndetokenize\x18\x10 \x01(\x08H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12\x35\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x19.epd.v1.StructuredOutputsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenizeB\x04\n\x02_n\"\x89\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12!\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x0f.epd.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x18\n\x07\x43hoices\x12\r\n\x05items\x18\x01 \x03(\t\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\"\n\x05parts\x18\x03 \x03(\x0b\x32\x13.epd.v1.ContentPart\"-\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.epd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.epd.v1.ChatH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x10.epd.v1.TokenIdsH\x00\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rcache_opt_out\x18\x08 \x01(\x08\x42\x07\n\x05inputB\r\n\x0b_request_id\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.epd.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.epd.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\"\x8d\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.epd.v1.FinishReason\"\xe8\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.epd.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.epd.v1.Choice\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x0e\n\x06vision\x18\x05 \x01(\x08\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.epd.v1.ModelInfo*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xd2\x01\n\tInference\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x12?\n\x0cGenerateOnce\x12\x17.epd.v1.GenerateRequest\x1a\x16.epd.v1.GenerateResult\x12\x43\n\nListModels\x12\x19.epd.v1.ListModelsRequest\x1a\x1a.epd.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65pd/v1/inference.proto\x12\x06\x65pd.v1\"\xa7\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x17\n\ndetokenize\x18\x10 \x01(\x08H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12\x35\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x19.epd.v1.StructuredOutputs\x12\"\n\x15thinking_token_budget\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x1f\n\x17reasoning_end_token_ids\x18\x14 \x03(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenizeB\x04\n\x02_nB\x18\n\x16_thinking_token_budget\"\xa0\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12!\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x0f.epd.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x15\n\rreasoning_end\x18\x06 \x01(\tB\x06\n\x04kind\"\x18\n\x07\x43hoices\x12\r\n\x05items\x18\x01 \x03(\t\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x9a\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\"\n\x05parts\x18\x03 \x03(\x0b\x32\x13.epd.v1.ContentPart\x12$\n\ntool_calls\x18\x04 \x03(\x0b\x32\x10.epd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xf5\x01\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x1b\n\x05tools\x18\x02 \x03(\x0b\x32\x0c.epd.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x05 \x01(\t\x12\"\n\x15thinking_token_budget\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_thinking_token_budget\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.epd.v1.ChatH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x10.epd.v1.TokenIdsH\x00\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rcache_opt_out\x18\x08 \x01(\x08\x42\x07\n\x05inputB\r\n\x0b_request_id\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.epd.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xfc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\"\n\x06\x61nswer\x18\t \x01(\x0b\x32\x12.epd.v1.ChatAnswer\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.epd.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\"\xb1\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\"\n\x06\x61nswer\x18\x06 \x01(\x0b\x32\x12.epd.v1.ChatAnswer\"V\n\nChatAnswer\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.epd.v1.ToolCall\"\x8c\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.epd.v1.Usage\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.epd.v1.Choice\x12\"\n\x06\x61nswer\x18\t \x01(\x0b\x32\x12.epd.v1.ChatAnswer\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x0e\n\x06vision\x18\x05 \x01(\x08\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.epd.v1.ModelInfo*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xd2\x01\n\tInference\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x12?\n\x0cGenerateOnce\x12\x17.epd.v1.GenerateRequest\x1a\x16.epd.v1.GenerateResult\x12\x43\n\nListModels\x12\x19.epd.v1.ListModelsRequest\x1a\x1a.epd.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2284
-  _globals['_FINISHREASON']._serialized_end=2429
+  _globals['_FINISHREASON']._serialized_start=2994
+  _globals['_FINISHREASON']._serialized_end=3139
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=619
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=622
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=759
-  _globals['_CHOICES']._serialized_start=761
-  _globals['_CHOICES']._serialized_end=785
-  _globals['_CONTENTPART']._serialized_start=787
-  _globals['_CONTENTPART']._serialized_end=841
-  _globals['_CHATMESSAGE']._serialized_start=843
-  _globals['_CHATMESSAGE']._serialized_end=923
-  _globals['_CHAT']._serialized_start=925
-  _globals['_CHAT']._serialized_end=970
-  _globals['_TOKENIDS']._serialized_start=972
-  _globals['_TOKENIDS']._serialized_end=995
-  _globals['_GENERATEREQUEST']._serialized_start=998
-  _globals['_GENERATEREQUEST']._serialized_end=1254
-  _globals['_TOPLOGPROB']._serialized_start=1256
-  _globals['_TOPLOGPROB']._serialized_end=1317
-  _globals['_TOKENLOGPROB']._serialized_start=1319
-  _globals['_TOKENLOGPROB']._serialized_end=1424
-  _globals['_USAGE']._serialized_start=1426
-  _globals['_USAGE']._serialized_end=1506
-  _globals['_GENERATERESPONSE']._serialized_start=1509
-  _globals['_GENERATERESPONSE']._serialized_end=1725
-  _globals['_CHOICE']._serialized_start=1728
-  _globals['_CHOICE']._serialized_end=1869
-  _globals['_GENERATERESULT']._serialized_start=1872
-  _globals['_GENERATERESULT']._serialized_end=2104
-  _globals['_LISTMODELSREQUEST']._serialized_start=2106
-  _globals['_LISTMODELSREQUEST']._serialized_end=2125
-  _globals['_MODELINFO']._serialized_start=2127
-  _globals['_MODELINFO']._serialized_end=2224
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2226
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2281
-  _globals['_INFERENCE']._serialized_start=2432
-  _globals['_INFERENCE']._serialized_end=2642
+  _globals['_SAMPLINGPARAMS']._serialized_end=714
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=717
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=877
+  _globals['_CHOICES']._serialized_start=879
+  _globals['_CHOICES']._serialized_end=903
+  _globals['_CONTENTPART']._serialized_start=905
+  _globals['_CONTENTPART']._serialized_end=959
+  _globals['_CHATMESSAGE']._serialized_start=962
+  _globals['_CHATMESSAGE']._serialized_end=1116
+  _globals['_TOOL']._serialized_start=1118
+  _globals['_TOOL']._serialized_end=1179
+  _globals['_TOOLCALL']._serialized_start=1181
+  _globals['_TOOLCALL']._serialized_end=1236
+  _globals['_CHAT']._serialized_start=1239
+  _globals['_CHAT']._serialized_end=1484
+  _globals['_TOKENIDS']._serialized_start=1486
+  _globals['_TOKENIDS']._serialized_end=1509
+  _globals['_GENERATEREQUEST']._serialized_start=1512
+  _globals['_GENERATEREQUEST']._serialized_end=1768
+  _globals['_TOPLOGPROB']._serialized_start=1770
+  _globals['_TOPLOGPROB']._serialized_end=1831
+  _globals['_TOKENLOGPROB']._serialized_start=1833
+  _globals['_TOKENLOGPROB']._serialized_end=1938
+  _globals['_USAGE']._serialized_start=1940
+  _globals['_USAGE']._serialized_end=2020
+  _globals['_GENERATERESPONSE']._serialized_start=2023
+  _globals['_GENERATERESPONSE']._serialized_end=2275
+  _globals['_CHOICE']._serialized_start=2278
+  _globals['_CHOICE']._serialized_end=2455
+  _globals['_CHATANSWER']._serialized_start=2457
+  _globals['_CHATANSWER']._serialized_end=2543
+  _globals['_GENERATERESULT']._serialized_start=2546
+  _globals['_GENERATERESULT']._serialized_end=2814
+  _globals['_LISTMODELSREQUEST']._serialized_start=2816
+  _globals['_LISTMODELSREQUEST']._serialized_end=2835
+  _globals['_MODELINFO']._serialized_start=2837
+  _globals['_MODELINFO']._serialized_end=2934
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2936
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2991
+  _globals['_INFERENCE']._serialized_start=3142
+  _globals['_INFERENCE']._serialized_end=3352
 # @@protoc_insertion_point(module_scope)

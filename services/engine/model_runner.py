@@ -17,10 +17,11 @@ from services.engine.step_meta import (
     to_tensor,
     verify_rows_meta,
 )
+from services.engine.thinking import forced_token
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
 from services.outputs import TokenLogprobs
-from services.structured.matcher import start_masks
+from services.structured.matcher import apply_masks, start_masks
 
 
 @dataclass
@@ -171,12 +172,32 @@ class ModelRunner:
         if all(plain_greedy(r) for r in step.sampling):  # the logits' argmax is all it needs
             tokens = self.model.greedy_tokens(hidden)
             return StepOutput(dict(zip(ids, tokens.tolist(), strict=True)), {})
+        if masks is not None and all(plain_greedy(r, masked=True) for r in step.sampling):
+            tokens = self._greedy_masked(step.sampling, hidden, masks.result())
+            return StepOutput(dict(zip(ids, tokens.tolist(), strict=True)), {})
         logits = self.model.compute_logits(hidden)
         seeds = [self.seeds.get(r.request_id, 0) for r in step.sampling]
         tokens, lps = sample(logits, step.sampling, seeds, self.backend, masks)
         sampled = dict(zip(ids, tokens.tolist(), strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, lps, strict=True) if lp is not None}
         return StepOutput(sampled, logprobs)
+
+    def _greedy_masked(self, reqs, hidden: torch.Tensor, forbidden: torch.Tensor):
+        """Greedy rows, some under a grammar: the fast argmax first, kept where the
+        grammar allows it (then it is the masked argmax too); only the rows it forbids
+        pay for their full logits. A trained model's argmax is mostly allowed."""
+        tokens = self.model.greedy_tokens(hidden)
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        index = torch.tensor(rows)
+        refused = forbidden.gather(1, tokens[index].view(-1, 1).cpu()).view(-1)
+        if refused.any():
+            redo = index[refused]
+            logits = self.model.compute_logits(hidden.index_select(0, redo.to(hidden.device)))
+            apply_masks(logits, list(range(len(redo))), forbidden[refused])
+            tokens[redo.to(tokens.device)] = logits.argmax(dim=-1).to(tokens.dtype)
+        for i in rows:
+            reqs[i].grammar.accept(int(tokens[i]))
+        return tokens
 
     @torch.inference_mode()
     def execute_verify(self, scheduled) -> VerifyOutput:
@@ -256,13 +277,14 @@ class ModelRunner:
         return torch.stack(out)
 
 
-def plain_greedy(req: Request) -> bool:
+def plain_greedy(req: Request, masked: bool = False) -> bool:
     """Greedy with no logprobs and nothing that edits the logits (penalties, min_tokens,
-    a grammar)."""
+    a grammar unless ``masked``, a forced end of thinking)."""
     sp = req.sampling_params
     return (
         sp.greedy
-        and sp.structured_outputs is None
+        and (masked or sp.structured_outputs is None)
+        and forced_token(req) is None
         and sp.logprobs is None
         and not sp.has_penalties
         and req.num_output_tokens >= sp.min_tokens

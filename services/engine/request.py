@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.engine.thinking import ThinkingBudget
 from services.sampling_params import SamplingParams
 
 
@@ -71,6 +72,11 @@ class Request:
     # Structured outputs: this request's matcher (services/structured/matcher.py), which
     # the sampler masks by and advances; None when unconstrained.
     grammar: Any = None
+    # The thinking budget (services/engine/thinking.py); None when unbounded.
+    thinking: ThinkingBudget | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.thinking = ThinkingBudget.of(self.sampling_params)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import torch
 
 from services.engine.request import Request
+from services.engine.thinking import forced_token
 from services.kernels.backend import Backend
 from services.kernels.metadata import SamplingTensors
 from services.outputs import TokenLogprobs
@@ -31,6 +32,15 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
             counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
     return logits
+
+
+def force_thinking_end(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """Rows whose thinking budget forces a token allow only it (in place)."""
+    for i, req in enumerate(reqs):
+        token = forced_token(req)
+        if token is not None:
+            logits[i, :token] = float("-inf")
+            logits[i, token + 1 :] = float("-inf")
 
 
 def mask_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -111,6 +121,7 @@ def sample(
         else:
             forbidden = forbidden_tokens([reqs[i].grammar for i in constrained])
         apply_masks(logits, constrained, forbidden)  # in place: raw logits are not kept
+    force_thinking_end(logits, reqs)
     raw = logits
     if any(r.sampling_params.has_penalties or r.sampling_params.min_tokens for r in reqs):
         logits = mask_min_tokens(apply_penalties(logits.clone(), reqs), reqs)

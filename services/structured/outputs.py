@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ MAX_SCHEMA_DEPTH = 32
 class StructuredOutputs:
     """Exactly one constraint. ``json``: a JSON schema (dict or its text); ``regex``;
     ``choice``: the output is one of these strings; ``grammar``: Lark, or GBNF when it
-    uses ``::=``; ``json_object``: any JSON object. Validated at construction; whether
+    uses ``::=`` (not when it opens with ``%llguidance``); ``json_object``: any JSON object. Validated at construction; whether
     it compiles for a tokenizer is checked by the engine when the request is added."""
 
     json: dict | str | None = None
@@ -27,6 +28,9 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # The constraint applies after this text (a reasoning model's end-of-thinking tag,
+    # set by the gateway's reasoning parser); before it the output is free.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -42,7 +46,7 @@ class StructuredOutputs:
                 raise ValueError("structured_outputs.choice must be non-empty strings")
         if self.json is not None:
             _check_schema(self.json)
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "reasoning_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
@@ -52,7 +56,7 @@ class StructuredOutputs:
         """From a request's ``structured_outputs`` object (unknown keys refused)."""
         if not isinstance(value, dict):
             raise ValueError("structured_outputs must be an object")
-        known = {"json", "regex", "choice", "grammar", "json_object"}
+        known = {"json", "regex", "choice", "grammar", "json_object", "reasoning_end"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"structured_outputs: unsupported key(s) {unknown}")
@@ -79,7 +83,12 @@ class StructuredOutputs:
         return grammar
 
     def lark(self) -> str:
-        """The llguidance grammar text (Lark with its ``%json`` / regex extensions)."""
+        """The llguidance grammar text (Lark with its ``%json`` / regex extensions, or
+        llguidance's JSON form)."""
+        body = self._body()
+        return body if self.reasoning_end is None else after_text(self.reasoning_end, body)
+
+    def _body(self) -> str:
         from llguidance import LLMatcher, grammar_from
 
         if self.json is not None or self.json_object:
@@ -90,7 +99,19 @@ class StructuredOutputs:
         if self.choice is not None:
             return grammar_from("choice", json.dumps(list(self.choice)))
         text = self.grammar or ""
-        return grammar_from("gbnf" if "::=" in text else "lark", text)
+        gbnf = "::=" in text and not text.lstrip().startswith("%llguidance")
+        return grammar_from("gbnf" if gbnf else "lark", text)
+
+
+def after_text(end: str, body: str) -> str:
+    """Free text up to the first ``end`` (a lazy lexeme: it stops there, so the grammar
+    never swallows the tag), at most two newlines, then ``body``."""
+    grammars = json.loads(body)["grammars"] if body.lstrip().startswith("{") else None
+    grammars = grammars or [{"lark_grammar": body}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    tag = re.escape(end).replace("/", "\\/")
+    head = f"start: thinking SEP @answer\nthinking[lazy]: /(.|\\n)*{tag}/\nSEP: /\\n{{0,2}}/\n"
+    return json.dumps({"grammars": [{"lark_grammar": head}, *grammars]})
 
 
 def _check_schema(schema: dict | str) -> None:

@@ -82,6 +82,27 @@ def test_regex_choice_and_grammars(llm):
     assert out.text.strip() in ("on", "off")
 
 
+def test_greedy_argmax_first_picks_what_the_full_logits_pick(llm):
+    """A greedy constrained batch keeps the fast argmax where the grammar allows it and
+    masks the full logits only where it does not: the same tokens as the full path
+    (which logprobs force)."""
+    asks = [{"json": SCHEMA}, {"regex": r"[a-c]{4}"}, {"choice": ["red", "blue"]}] * 2
+    prompts = [f"q{i}" for i in range(len(asks))]
+    fast = llm.generate(
+        prompts,
+        [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=a) for a in asks],
+    )
+    full = llm.generate(
+        prompts,
+        [
+            SamplingParams(temperature=0.0, max_tokens=80, logprobs=0, structured_outputs=a)
+            for a in asks
+        ],
+    )
+    for a, b in zip(fast, full, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 def test_logprobs_see_the_constrained_distribution(llm):
     (out,) = _one(llm, temperature=0.0, logprobs=3, structured_outputs={"choice": ["yes", "no"]})
     first = out.logprobs[0]  # token id -> Logprob: the top 3 and the token drawn

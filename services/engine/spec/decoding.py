@@ -86,8 +86,11 @@ class SpecDecoding:
             room = min(self.k, req.max_total_tokens - req.num_tokens - 1)
             if req.num_tokens - req.num_computed_tokens != 1 or room < 1:
                 continue
-            if req.request_id in skip or req.grammar is not None:
-                continue  # a constrained request's drafts would need the grammar's rollback
+            thinking = req.thinking is not None and not req.thinking.done
+            if req.request_id in skip or req.grammar is not None or thinking:
+                # a constrained request's drafts would need the grammar's rollback, a
+                # budgeted one's the budget's
+                continue
             hidden = runner.take_aux_rows(req.request_id) if runner.aux_layers else None
             batch.append(ProposeInput(req.request_id, req.all_token_ids, hidden))
             self._seen.add(req.request_id)
