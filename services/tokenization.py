@@ -54,3 +54,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of the output: the text still held back (an unfinished character
+        decodes as U+FFFD), so a cut in mid-character does not lose the text before it."""
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.text += delta
+        return delta

@@ -96,6 +96,7 @@ class RequestState:
             self.finish_reason, self.stop_reason = reason, stop_reason
         if self.lazy_text and self.detok is not None:
             self.text += self.detok.add(self.token_ids)
+            self.text += self.detok.flush()
             self.lazy_text = False
 
     def wants_output(self) -> bool:

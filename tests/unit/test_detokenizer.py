@@ -42,3 +42,15 @@ def test_prompt_context_gives_the_first_word_its_space(byte_level_tokenizer):
     gen = tok.encode(" brown fox")
     detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
     assert "".join(detok.add([t]) for t in gen) == " brown fox"
+
+
+def test_an_output_cut_in_mid_character_keeps_its_text(byte_level_tokenizer):
+    """All ids at once (the offline final-only path) ending half-way through a
+    character: the text before it is kept and the cut shows as U+FFFD."""
+    tok = byte_level_tokenizer
+    ids = tok.encode("ok 東京")[:-1]  # the last character's final byte is missing
+    detok = IncrementalDetokenizer(tok, prompt_ids=[])
+    assert detok.add(ids) == ""  # held back: it ends in an unfinished character
+    text = detok.flush()
+    assert text.startswith("ok 東") and text.endswith("\ufffd") and detok.text == text
+    assert detok.flush() == ""
