@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -15,12 +17,21 @@ from services.structured.tokenizer import guidance_tokenizer
 
 class GrammarSet:
     """Compiles constraints for one model's tokenizer (built on first use: ~0.1 s for
-    30 k tokens, ~1 s for 150 k) and makes each request's matcher."""
+    30 k tokens, ~1 s for 150 k) and makes each request's matcher.
 
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int):
+    Compiled grammars are kept (the last ``cache_size``, by the constraint's key): a
+    request repeating a schema, as agents and pipelines do, copies a compiled matcher
+    instead of compiling again, and the engine's check before admission and the matcher
+    after it cost one compile between them."""
+
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int, cache_size: int = 256
+    ):
         self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.cache_size = vocab_size, cache_size
         self._ll = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()  # serve all's gateway checks from a worker thread
 
     @property
     def ll(self):
@@ -29,22 +40,38 @@ class GrammarSet:
             self._ll = guidance_tokenizer(self.tokenizer, self.eos_token_ids, self.vocab_size)
         return self._ll
 
-    def check(self, constraint: StructuredOutputs) -> str:
-        """The grammar text, or ValueError saying why it does not compile."""
-        try:
-            return constraint.check(self.ll)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs: {e}") from e
+    def check(self, constraint: StructuredOutputs) -> None:
+        """ValueError saying why the constraint does not compile (else it is kept)."""
+        self._compiled_matcher(constraint)
 
     def matcher(self, constraint: StructuredOutputs, produced: list[int]) -> Matcher:
         """A request's matcher, advanced over the tokens it has already produced (a
         resumed or migrated request)."""
-        from llguidance import LLMatcher
-
-        m = LLMatcher(self.ll, self.check(constraint), log_level=0)
+        m = self._compiled_matcher(constraint).deep_copy()
         if produced and not m.consume_tokens(list(produced)):
             raise ValueError(f"structured_outputs: earlier tokens break it: {m.get_error()}")
         return Matcher(m, self.vocab_size)
+
+    def _compiled_matcher(self, constraint: StructuredOutputs):
+        """The constraint's pristine matcher, compiled once (never advanced itself)."""
+        from llguidance import LLMatcher
+
+        key = constraint.key()
+        with self._lock:
+            if (m := self._compiled.get(key)) is not None:
+                self._compiled.move_to_end(key)
+                return m
+        try:
+            m = LLMatcher(self.ll, constraint.lark(), log_level=0)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(f"structured_outputs: {e}") from e
+        if m.is_error():
+            raise ValueError(f"structured_outputs: {m.get_error()}")
+        with self._lock:
+            self._compiled[key] = m
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return m
 
 
 class Matcher:
