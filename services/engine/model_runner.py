@@ -183,18 +183,33 @@ class ModelRunner:
         return StepOutput(sampled, logprobs)
 
     def _greedy_masked(self, reqs, hidden: torch.Tensor, forbidden: torch.Tensor):
-        """Greedy rows, some under a grammar: the fast argmax first, kept where the
-        grammar allows it (then it is the masked argmax too); only the rows it forbids
-        pay for their full logits. A trained model's argmax is mostly allowed."""
-        tokens = self.model.greedy_tokens(hidden)
+        """Greedy rows, some under a grammar, without the full logits where they can be
+        spared. A grammar allowing few tokens (a key, a number, the structure of JSON;
+        one when the text is forced) scores just those; one allowing many (inside a
+        string) takes the fast argmax when the grammar allows it, as it is then the
+        masked argmax too. Only the rows left pay for their full logits."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        index = torch.tensor(rows)
-        refused = forbidden.gather(1, tokens[index].view(-1, 1).cpu()).view(-1)
-        if refused.any():
-            redo = index[refused]
-            logits = self.model.compute_logits(hidden.index_select(0, redo.to(hidden.device)))
+        allowed = ~forbidden
+        counts = allowed.sum(dim=1).tolist()
+        narrow = {rows[j]: j for j, c in enumerate(counts) if 0 < c <= _NARROW_MASK}
+        fast = [i for i in range(len(reqs)) if i not in narrow]
+        tokens = torch.zeros(len(reqs), dtype=torch.long)
+        if fast:
+            picked = self.model.greedy_tokens(hidden.index_select(0, _index(fast, hidden)))
+            tokens[fast] = picked.cpu()
+        for i, j in narrow.items():
+            ids = allowed[j].nonzero().view(-1)
+            best = (
+                0 if len(ids) == 1 else int(self.model.logits_for(hidden[i : i + 1], ids).argmax())
+            )
+            tokens[i] = ids[best]
+        wide = [j for j, i in enumerate(rows) if i not in narrow]
+        refused = [j for j in wide if forbidden[j, tokens[rows[j]]]]
+        if refused:
+            redo = [rows[j] for j in refused]
+            logits = self.model.compute_logits(hidden.index_select(0, _index(redo, hidden)))
             apply_masks(logits, list(range(len(redo))), forbidden[refused])
-            tokens[redo.to(tokens.device)] = logits.argmax(dim=-1).to(tokens.dtype)
+            tokens[redo] = logits.argmax(dim=-1).cpu()
         for i in rows:
             reqs[i].grammar.accept(int(tokens[i]))
         return tokens
@@ -275,6 +290,15 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(hidden)
             out.append(tokens)
         return torch.stack(out)
+
+
+# A grammar that allows at most this many tokens is scored on just those (a gathered
+# GEMV: cheaper than the whole head below this; JSON's structure allows a handful).
+_NARROW_MASK = 256
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, device=like.device)
 
 
 def plain_greedy(req: Request, masked: bool = False) -> bool:
