@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.policies import POLICIES
+from gateway.reasoning import REASONING_PARSERS
+from gateway.tools import TOOL_PARSERS
 from services.image_checks import MAX_IMAGE_PIXELS
 from services.settings import Settings, setting
 
@@ -107,11 +109,35 @@ class GatewayConfig(Settings):
         "reloaded when it changes. Empty: no router.",
     )
 
+    tool_call_parser: str = setting(
+        "",
+        doc="How the model writes tool calls (vLLM's `--tool-call-parser`): `hermes` (Qwen 2.5, "
+        "Hermes), `llama3_json`, `mistral` or `qwen3_coder` (Qwen3-Coder, Nemotron 3 Super). "
+        "Calls are read back into `message.tool_calls`; `required` and a named `tool_choice` "
+        "are enforced by grammar. Empty: requests that ask for tool calls get 400.",
+        choices=("", *TOOL_PARSERS),
+    )
+    enable_auto_tool_choice: bool = setting(
+        False,
+        doc="Let the model decide whether to call a tool (`tool_choice: auto`, the default of "
+        "a request with tools); a call it starts is enforced from its start tag on. Needs "
+        "`tool_call_parser`.",
+    )
+    reasoning_parser: str = setting(
+        "",
+        doc="How a reasoning model writes its thinking (`deepseek_r1`, `qwen3`, "
+        "`nemotron_v3`): it goes to `message.reasoning`, a constraint applies after it, and "
+        "`thinking_token_budget` bounds it. Empty: the thinking stays in the content.",
+        choices=("", *REASONING_PARSERS),
+    )
+
     def normalize(self) -> None:
         self.api_key = tuple(self.api_key)
         self.models = tuple(self.models)
         self.allowed_media_domains = tuple(d.lower() for d in self.allowed_media_domains)
 
     def check(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         if any(not k for k in self.api_key):
             raise ValueError("api_key entries must be non-empty")

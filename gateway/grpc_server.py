@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -11,10 +12,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.chat_output import ChatOptions
 from gateway.core import GatewayCore
 from gateway.errors import classify
 from gateway.models import ModelSet
-from gateway.prepare import PreparedRequest
+from gateway.prepare import InvalidRequest, PreparedRequest
 from gateway.semantic_router.router import GuardBlocked
 from gateway.stream import Delta, OutputStream
 from protos.epd_pb import inference_pb2 as pb
@@ -27,8 +29,9 @@ log = logging.getLogger(__name__)
 def _messages(chat: pb.Chat) -> list[dict]:
     out = []
     for m in chat.messages:
+        msg = {"role": m.role, **_tool_fields(m)}
         if not m.parts:
-            out.append({"role": m.role, "content": m.content})
+            out.append({**msg, "content": m.content})
             continue
         parts = []
         for p in m.parts:
@@ -36,8 +39,71 @@ def _messages(chat: pb.Chat) -> list[dict]:
                 parts.append({"type": "image", "image": p.image})
             else:
                 parts.append({"type": "text", "text": p.text})
-        out.append({"role": m.role, "content": parts})
+        out.append({**msg, "content": parts})
     return out
+
+
+def _tool_fields(m: pb.ChatMessage) -> dict:
+    out = {k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k)}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _json(c.arguments, c.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    return out
+
+
+def _json(text: str, default):
+    try:
+        return json.loads(text) if text else default
+    except ValueError:
+        return default
+
+
+def _chat_options(chat: pb.Chat) -> ChatOptions:
+    """The request's tools and template keywords, validated as over REST."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": _json(t.parameters, None) if t.parameters else {},
+            },
+        }
+        for t in chat.tools
+    ]
+    kwargs = _json(chat.chat_template_kwargs, None) if chat.chat_template_kwargs else {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
+    choice = chat.tool_choice or None
+    if choice not in (None, "none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return ChatOptions.of(
+        tools,
+        choice,
+        chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True,
+        kwargs,
+        chat.thinking_token_budget if chat.HasField("thinking_token_budget") else None,
+    )
+
+
+def _answer(prep: PreparedRequest, text: str) -> pb.ChatAnswer | None:
+    """A chat choice read back by the request's parsers (None: not a chat)."""
+    if prep.messages is None:
+        return None
+    message, _ = prep.parsers.message(text)
+    calls = [
+        pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        for c in message.get("tool_calls", ())
+    ]
+    return pb.ChatAnswer(
+        content=message["content"] or "", reasoning=message.get("reasoning") or "", tool_calls=calls
+    )
 
 
 def _cache_metadata(prep: PreparedRequest) -> tuple:
@@ -100,8 +166,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         meta = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         mode = "bypass" if request.cache_opt_out else meta.get("x-epd-cache", "default").lower()
         try:
+            chat = _chat_options(request.chat) if which == "chat" else None
             core, prep = await self.models.prepare(
                 model=request.model,
+                chat=chat,
                 params=params_kwargs(request.sampling),
                 messages=_messages(request.chat) if which == "chat" else None,
                 prompt=request.prompt if which == "prompt" else None,
@@ -131,6 +199,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             finish_reason=FINISH_TO_PROTO[delta.finish_reason],
             model=core.info.model_id,
             index=delta.index,
+            answer=_answer(prep, streams[delta.index].text) if delta.finish_reason else None,
         )
         if all(s.finished for s in streams):
             resp.usage.CopyFrom(usage(prep, streams))
@@ -165,6 +234,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 text=s.text,
                 logprobs=_logprobs(tok, s.logprobs),
                 finish_reason=FINISH_TO_PROTO[s.state.finish_reason],
+                answer=_answer(prep, s.text),
             )
             for s in streams
         ]
@@ -178,6 +248,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             usage=usage(prep, streams),
             model=core.info.model_id,
             choices=choices,
+            answer=first.answer if first.HasField("answer") else None,
         )
 
     async def ListModels(self, request, context):  # noqa: N802

@@ -7,24 +7,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.chat_message import ChatParsers
+from gateway.chat_output import ChatOptions, ChatOutputs
 from gateway.config import GatewayConfig
+from gateway.request_errors import InvalidRequest, ModelNotFoundError
 from services.chat import render_chat
 from services.engine.input_processor import InputProcessor
 from services.engine.request import ImageSpan
 from services.models.info import ModelInfo
 from services.sampling_params import SamplingParams
 
-
-class ModelNotFoundError(LookupError):
-    """The request names a model this deployment does not serve."""
-
-
-class InvalidRequest(ValueError):
-    """A request the gateway refuses; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+__all__ = ["InvalidRequest", "ModelNotFoundError", "PreparedRequest", "RequestPreparer"]
 
 
 @dataclass
@@ -59,6 +52,10 @@ class PreparedRequest:
     # The router's embedding of the last user message (float32 bytes): the semantic
     # cache uses it instead of embedding the same text again. Empty: none.
     text_vector: bytes = b""
+    # A chat request's tools, template keywords and thinking budget (the cache keys by
+    # them), and what reads its answer back (gateway/chat_message.py).
+    chat_key: str = ""
+    parsers: ChatParsers = field(default_factory=ChatParsers)
 
 
 # The x-epd-cache request header: default; no-cache (do not read the semantic cache, store
@@ -88,6 +85,12 @@ class RequestPreparer:
         self.timeout_s = request_timeout_s
         self.limits = limits or GatewayConfig()
         self.defaults = info.default_sampling()
+        self.outputs = ChatOutputs(
+            tokenizer,
+            self.limits.tool_call_parser,
+            self.limits.enable_auto_tool_choice,
+            self.limits.reasoning_parser,
+        )
         self.inputs = InputProcessor(
             tokenizer,
             info.max_model_len,
@@ -120,6 +123,7 @@ class RequestPreparer:
         tenant: str = "",
         cache_mode: str = "default",
         session_key: str = "",
+        chat: ChatOptions | None = None,
     ) -> PreparedRequest:
         """``params``: SamplingParams keywords the client set (unset ones take the
         checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
@@ -131,10 +135,16 @@ class RequestPreparer:
                 "x-epd-cache",
             )
         images = list(images)
+        parsers = ChatParsers()
         if messages is not None:
-            prompt, chat_images = render_chat(self.tokenizer, messages)
+            chat = chat or ChatOptions()
+            prompt, chat_images = render_chat(
+                self.tokenizer, messages, tools=chat.tools, **chat.template_kwargs
+            )
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             images = chat_images + images
+            params = dict(params)
+            parsers = self.outputs.plan(chat, params, prompt)
         elif prompt is None and prompt_token_ids is None:
             raise InvalidRequest(
                 "the request has no input: send chat messages, a prompt or prompt_token_ids"
@@ -160,6 +170,8 @@ class RequestPreparer:
             tenant=tenant,
             cache_mode=cache_mode,
             session_key=session_key,
+            chat_key=chat.key() if messages is not None else "",
+            parsers=parsers,
         )
 
     def _check_images(self, images: list) -> None:

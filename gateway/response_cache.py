@@ -57,6 +57,7 @@ class ResponseCache:
             {
                 "model": self.model,
                 "chat": prep.messages is not None,
+                "chat_options": prep.chat_key,
                 "context": context,
                 "images": [s.image_hash for s in prep.spans],
                 "params": keyed,
@@ -231,7 +232,8 @@ def _plain(message: dict) -> dict:
     content = message.get("content")
     if isinstance(content, list):
         content = [p if p.get("type") == "text" else {"type": "image"} for p in content]
-    return {"role": message.get("role"), "content": content}
+    tools = {k: message[k] for k in ("tool_calls", "tool_call_id", "name") if k in message}
+    return {"role": message.get("role"), "content": content, **tools}
 
 
 def _usable_replica(name: str) -> bool:

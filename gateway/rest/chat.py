@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from starlette.responses import Response
 
+from gateway.chat_message import ChatParsers, ChatStream
+from gateway.chat_output import ChatOptions
 from gateway.models import ModelSet
 from gateway.rest.media import MediaLoader
 from gateway.rest.middleware import Call
@@ -16,33 +19,45 @@ from gateway.stream import Delta, OutputStream
 
 
 class ChatRenderer:
+    """Choices of a chat completion: the answer read back by the request's parsers
+    (reasoning, tool calls), whole or as deltas (one ChatStream per choice)."""
+
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, tokenizer, logprobs: bool):
+    def __init__(self, tokenizer, logprobs: bool, parsers: ChatParsers):
         self.tokenizer = tokenizer
         self.logprobs = logprobs
+        self.parsers = parsers
+        self._streams: dict[int, ChatStream] = {}
 
     def _logprobs(self, lps) -> dict | None:
         return chat_logprobs(self.tokenizer, lps) if self.logprobs else None
 
     def choice(self, prompt: int, stream: OutputStream) -> dict:
+        message, called = self.parsers.message(stream.text)
         return {
             "index": stream.index,
-            "message": {"role": "assistant", "content": stream.text},
+            "message": message,
             "logprobs": self._logprobs(stream.logprobs),
-            "finish_reason": finish_reason(stream),
+            "finish_reason": _finish(stream, called),
         }
 
     def chunk_choice(self, prompt: int, delta: Delta, stream: OutputStream, first: bool) -> dict:
-        content = {"role": "assistant", "content": delta.text} if first else {}
-        if delta.text:
-            content["content"] = delta.text
+        parts = self._streams.setdefault(delta.index, self.parsers.stream())
+        fields = parts.feed(delta.text, last=delta.finish_reason is not None)
+        content = {"role": "assistant", "content": ""} if first else {}
         return {
             "index": delta.index,
-            "delta": content,
+            "delta": {**content, **fields},
             "logprobs": self._logprobs(delta.logprobs) if delta.token_ids else None,
-            "finish_reason": finish_reason(stream) if delta.finish_reason else None,
+            "finish_reason": _finish(stream, parts.called) if delta.finish_reason else None,
         }
+
+
+def _finish(stream: OutputStream, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when the answer ended calling tools."""
+    reason = finish_reason(stream)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def chat_completion(
@@ -52,6 +67,13 @@ async def chat_completion(
     The model that answers is the one ``models.prepare`` resolves ``req.model`` to."""
     req.check_supported()
     models.check_name(req.model or "")  # an unknown model: 404 before fetching images
+    options = ChatOptions.of(
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        req.chat_template_kwargs,
+        req.thinking_token_budget,
+    )
     messages = await resolve_messages(media, req.messages)
     params = req.sampling_kwargs(req.max_new_tokens)
     params["structured_outputs"], constraint_param = req.constraint()
@@ -65,8 +87,9 @@ async def chat_completion(
         cache_mode=call.cache_mode,
         session_key=call.session or req.user or "",
         constraint_param=constraint_param,
+        chat=options,
     )
-    run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs))
+    run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs, prep.parsers))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run.respond(req.stream, include_usage, call.headers)
 
@@ -84,9 +107,9 @@ async def resolve_messages(media: MediaLoader | None, messages: list[ChatMessage
     images = iter(await asyncio.gather(*(media.load(u) for u in urls)) if media else [])
     out = []
     for m in messages:
-        role = "system" if m.role == "developer" else m.role
+        msg = {"role": "system" if m.role == "developer" else m.role, **_tool_fields(m)}
         if not isinstance(m.content, list):
-            out.append({"role": role, "content": m.content or ""})
+            out.append({**msg, "content": m.content or ""})
             continue
         parts = []
         for p in m.content:
@@ -94,5 +117,31 @@ async def resolve_messages(media: MediaLoader | None, messages: list[ChatMessage
                 parts.append({"type": "image", "image": next(images) if media else b""})
             else:
                 parts.append({"type": "text", "text": p.text})
-        out.append({"role": role, "content": parts})
+        out.append({**msg, "content": parts})
     return out
+
+
+def _tool_fields(m: ChatMessage) -> dict:
+    """A message's tool fields for the chat template: templates read an earlier call's
+    arguments as an object (they write them with ``tojson``), so JSON text is parsed."""
+    out = {}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _args(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    for name in ("tool_call_id", "name", "reasoning_content"):
+        if getattr(m, name) is not None:
+            out[name] = getattr(m, name)
+    return out
+
+
+def _args(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -27,9 +27,18 @@ def model_card(core: GatewayCore) -> dict:
         "vision": info.vision,
         # What a request may ask of this server beyond text (docs/structured-outputs.md).
         "structured_outputs": list(STRUCTURED_KINDS),
-        "tool_calling": False,
-        "reasoning": False,
+        # The tool-call and reasoning formats the server reads (False: none).
+        "tool_calling": _tool_calling(core.config),
+        "reasoning": core.config.reasoning_parser or False,
     }
+
+
+def _tool_calling(config) -> dict | bool:
+    if not config.tool_call_parser:
+        return False
+    choices = ["none", "required", "function"]
+    choices += ["auto"] if config.enable_auto_tool_choice else []
+    return {"parser": config.tool_call_parser, "tool_choice": choices}
 
 
 async def tokenize(core: GatewayCore, req: TokenizeRequest, headers: dict) -> Response:

@@ -51,11 +51,26 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    # An assistant's earlier calls, and the id of the call a tool message answers.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    # An assistant's earlier thinking (sent back by some clients); the template decides.
+    reasoning_content: str | None = None
 
 
 class _Sampling(_Body):
@@ -151,6 +166,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's bound on a reasoning model's thinking, in tokens (needs --reasoning-parser).
+    thinking_token_budget: int | None = Field(None, ge=0)
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -166,17 +185,13 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.functions:
-            raise Unsupported("tools" if self.tools else "functions", "tool calling")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise Unsupported("tool_choice", "tool calling")
+        if self.functions or self.function_call not in (None, "none"):
+            raise Unsupported("functions", "the deprecated functions (send tools)")
         if self.modalities and set(self.modalities) != {"text"}:
             raise Unsupported("modalities", "output other than text")
         for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 raise Unsupported(name, name)
-        if any(m.tool_calls for m in self.messages):
-            raise Unsupported("messages", "tool_calls in messages")
 
     def _format(self) -> list[tuple[str, Any]]:
         """``response_format`` as a structured_outputs object (None: plain text)."""

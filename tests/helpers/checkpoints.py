@@ -150,13 +150,17 @@ def random_image(seed: int, size=(40, 30)) -> Image.Image:
     return Image.fromarray(arr)
 
 
-def make_byte_bpe_checkpoint(root: Path, kind: str = "qwen2", seed: int = 0) -> Path:
+def make_byte_bpe_checkpoint(
+    root: Path, kind: str = "qwen2", seed: int = 0, chat_template: str | None = None
+) -> Path:
     """A tiny checkpoint whose tokenizer is byte-level BPE (the Qwen / Llama 3 kind),
-    trained here on a few lines; every byte is a token, so any text can be written."""
+    trained here on a few lines; every byte is a token, so any text can be written.
+    ``chat_template``: saved with the tokenizer (tests/helpers/chat_templates.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    out = root / f"{kind}-bytebpe-{seed}"
+    name = f"{kind}-bytebpe-{seed}" + ("-chat" if chat_template else "")
+    out = root / name
     if (out / "config.json").exists():
         return out
     bpe = Tokenizer(models.BPE())
@@ -170,9 +174,20 @@ def make_byte_bpe_checkpoint(root: Path, kind: str = "qwen2", seed: int = 0) -> 
     lines = ['{"name": "value", "count": 12, "ok": true}', "the quick brown fox 0123456789"]
     bpe.train_from_iterator(lines * 20, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok.chat_template = chat_template
     tok.save_pretrained(str(out))
     eos = tok.eos_token_id
-    cfg = _text_config(kind, len(tok), tok, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    # A chat prompt with tools in it is long: room for it.
+    room = 2048 if chat_template else 512
+    cfg = _text_config(
+        kind,
+        len(tok),
+        tok,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        max_position_embeddings=room,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     _randomize(model, seed)
