@@ -75,6 +75,8 @@ def _kind_to_proto(so: StructuredOutputs) -> pb.StructuredOutputs:
     if so.json is not None:
         text = so.json if isinstance(so.json, str) else json.dumps(so.json)
         return pb.StructuredOutputs(json=text)
+    if so.structural_tag is not None:
+        return pb.StructuredOutputs(structural_tag=json.dumps(so.structural_tag))
     if so.choice is not None:
         return pb.StructuredOutputs(choice=pb.Choices(items=list(so.choice)))
     if so.json_object:

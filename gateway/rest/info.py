@@ -12,7 +12,7 @@ from gateway.rest.chat import resolve_messages
 from gateway.rest.protocol import DetokenizeRequest, TokenizeRequest
 from services.chat import render_chat
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 def model_card(core: GatewayCore) -> dict:

@@ -200,6 +200,9 @@ class ChatCompletionRequest(_Sampling):
             return []
         if rf.get("type") == "json_object":
             return [("response_format", {"json_object": True})]
+        if rf.get("type") == "structural_tag":  # vLLM's: structures and triggers inline
+            tag = {k: v for k, v in rf.items() if k != "type"}
+            return [("response_format", {"structural_tag": tag})]
         if rf.get("type") == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):

@@ -28,17 +28,22 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # vLLM's structural tag (JSON text or object): free text in which each structure,
+    # once the model writes one of ``triggers``, runs ``begin``, a JSON value of
+    # ``schema``, ``end``.
+    structural_tag: dict | str | None = None
     # The constraint applies after this text (a reasoning model's end-of-thinking tag,
     # set by the gateway's reasoning parser); before it the output is free.
     reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = ("json", "regex", "choice", "grammar", "structural_tag")
+        given = [k for k in kinds if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs takes exactly one of json, regex, choice, grammar, "
-                f"json_object; got {given or 'none'}"
+                f"structural_tag, json_object; got {given or 'none'}"
             )
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
@@ -46,6 +51,8 @@ class StructuredOutputs:
                 raise ValueError("structured_outputs.choice must be non-empty strings")
         if self.json is not None:
             _check_schema(self.json)
+        if self.structural_tag is not None:
+            object.__setattr__(self, "structural_tag", _structural_tag(self.structural_tag))
         for name in ("regex", "grammar", "reasoning_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -56,7 +63,8 @@ class StructuredOutputs:
         """From a request's ``structured_outputs`` object (unknown keys refused)."""
         if not isinstance(value, dict):
             raise ValueError("structured_outputs must be an object")
-        known = {"json", "regex", "choice", "grammar", "json_object", "reasoning_end"}
+        known = {"json", "regex", "choice", "grammar", "structural_tag", "json_object"}
+        known.add("reasoning_end")
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"structured_outputs: unsupported key(s) {unknown}")
@@ -98,6 +106,8 @@ class StructuredOutputs:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return grammar_from("choice", json.dumps(list(self.choice)))
+        if self.structural_tag is not None:
+            return _tags_grammar(self.structural_tag)
         text = self.grammar or ""
         gbnf = "::=" in text and not text.lstrip().startswith("%llguidance")
         return grammar_from("gbnf" if gbnf else "lark", text)
@@ -112,6 +122,43 @@ def after_text(end: str, body: str) -> str:
     tag = re.escape(end).replace("/", "\\/")
     head = f"start: thinking SEP @answer\nthinking[lazy]: /(.|\\n)*{tag}/\nSEP: /\\n{{0,2}}/\n"
     return json.dumps({"grammars": [{"lark_grammar": head}, *grammars]})
+
+
+def _structural_tag(value: dict | str) -> dict:
+    """vLLM's structural tag, checked: ``{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}``, each ``begin`` starting with a trigger."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from e
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structured_outputs.structural_tag needs a non-empty 'structures'")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structured_outputs.structural_tag needs 'triggers': non-empty strings")
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise ValueError(f"structural_tag.structures[{i}] needs 'begin' and 'end' strings")
+        if not isinstance(s.get("schema", {}), dict):
+            raise ValueError(f"structural_tag.structures[{i}].schema must be a JSON schema object")
+        _check_schema(s.get("schema", {}))
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"structural_tag.structures[{i}].begin starts with no trigger")
+    return {"structures": structures, "triggers": triggers}
+
+
+def _tags_grammar(tag: dict) -> str:
+    """Free text; from a trigger on, one of its structures (a lazy lexeme of text ending
+    at the trigger: llguidance's StructTag)."""
+    from llguidance import StructTag
+
+    tags = []
+    for s in tag["structures"]:
+        trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
+        schema = {**(s.get("schema") or {"type": "object"}), "x-guidance": JSON_WHITESPACE}
+        tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
+    return StructTag.to_grammar(tags, assume_special=False)
 
 
 def _check_schema(schema: dict | str) -> None:

@@ -73,7 +73,14 @@ def test_json_schema_json_object_and_text(client):
 
 def test_models_say_what_is_supported(client):
     (card,) = client.models.list().data
-    assert card.structured_outputs == ["json", "json_object", "regex", "choice", "grammar"]
+    assert card.structured_outputs == [
+        "json",
+        "json_object",
+        "regex",
+        "choice",
+        "grammar",
+        "structural_tag",
+    ]
     assert card.tool_calling is False and card.reasoning is False
 
 
@@ -97,6 +104,12 @@ def test_vllm_structured_outputs_on_chat_and_completions(client):
             extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
         )
         assert comp.choices[0].text.strip() in ("alpha", "beta")
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    assert _chat(client, response_format=tag, max_tokens=8).choices[0].finish_reason
     guided = _chat(client, extra_body={"guided_choice": ["up", "down"]})
     assert guided.choices[0].message.content.strip() in ("up", "down")
 
@@ -111,6 +124,7 @@ def test_vllm_structured_outputs_on_chat_and_completions(client):
         ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": {"structures": []}}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

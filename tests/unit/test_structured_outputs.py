@@ -220,3 +220,29 @@ def test_the_fleet_gateway_checks_syntax_without_a_model():
     for bad in (StructuredOutputs(regex="([a-z"), StructuredOutputs(json={"type": "nonsense"})):
         with pytest.raises(ValueError):
             bad.check()
+
+
+def test_structural_tag_enforces_a_structure_from_its_trigger(llm):
+    """vLLM's structural tag: free text; from a trigger on, begin + schema + end."""
+    tag = {
+        "structures": [{"begin": "<fn=a>", "schema": {"enum": [1, 2]}, "end": "</fn>"}],
+        "triggers": ["<fn="],
+    }
+    so = StructuredOutputs.from_dict({"structural_tag": json.dumps(tag)})
+    grammars = llm.engine.grammars
+
+    def accepts(text: str) -> bool:
+        m = grammars.matcher(so, []).m
+        return m.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False))
+
+    tok = llm.tokenizer
+    if tok.decode(tok.encode("<fn=a>", add_special_tokens=False)) == "<fn=a>":  # byte BPE
+        # (WordPiece decodes it spaced out: "< fn = a >" never writes the trigger.)
+        assert accepts("free text <fn=a>2</fn> more") and accepts("no call at all")
+        assert not accepts("text <fn=a>3</fn>") and not accepts("text <fn=b>")
+    with pytest.raises(ValueError, match="starts with no trigger"):
+        StructuredOutputs(
+            structural_tag={"structures": [{"begin": "x", "end": ""}], "triggers": ["<"]}
+        )
+    (out,) = _one(llm, temperature=1.0, seed=3, max_tokens=20, structured_outputs=so)
+    assert "<fn=" not in out.text or re.search(r"<fn=a>[12]</fn>", out.text), out.text
