@@ -9,7 +9,7 @@ import torch
 from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
 from services.engine.sampler import sample
-from services.engine.spec.verify import num_accepted, verify_rows
+from services.engine.spec.verify import num_accepted, verify_row, verify_rows
 from services.engine.step_meta import (
     attn_meta,
     next_decode_meta,
@@ -231,6 +231,8 @@ class ModelRunner:
                 rows, lp = tokens[i : i + len(drafts) + 1], lps[i : i + len(drafts) + 1]
                 n = num_accepted(drafts, rows) + 1
                 out.tokens[req.request_id] = rows[:n]
+                for token in rows[:n] if req.grammar is not None else ():
+                    req.grammar.accept(token)
                 if lp[0] is not None:
                     out.logprobs[req.request_id] = lp[:n]
                 i += len(drafts) + 1
@@ -243,11 +245,18 @@ class ModelRunner:
         step at its position would draw it."""
         if all(plain_greedy(r) for r in step.sampling):
             return self.model.greedy_tokens(hidden).tolist(), [None] * hidden.shape[0]
-        rows, seeds = [], []
+        rows, seeds, masked = [], [], []
         for req, drafts in zip(step.sampling, step.drafts, strict=True):
-            rows.extend(verify_rows(req, drafts))
+            req_rows = verify_rows(req, drafts)
+            if req.grammar is not None:  # its masks along the drafts, applied here
+                req_rows[0] = verify_row(req, [])
+                masked.append((len(rows), req.grammar.masks_along(drafts)))
+            rows.extend(req_rows)
             seeds.extend([self.seeds.get(req.request_id, 0)] * (len(drafts) + 1))
-        tokens, lps = sample(self.model.compute_logits(hidden), rows, seeds, self.backend)
+        logits = self.model.compute_logits(hidden)
+        for start, forbidden in masked:
+            apply_masks(logits, list(range(start, start + len(forbidden))), forbidden)
+        tokens, lps = sample(logits, rows, seeds, self.backend)
         return tokens.tolist(), lps
 
     def _keep_aux(self, step: StepInputs, aux: torch.Tensor, emitted: dict[str, list[int]]):

@@ -85,6 +85,29 @@ class Matcher:
         grammar refuses puts it in error: from then on only EOS is allowed."""
         self.m.consume_token(int(token))
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar allows (nothing consumed)."""
+        return list(drafts[: self.m.validate_tokens(list(drafts))])
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, whatever the model would draw."""
+        return list(self.m.compute_ff_tokens())
+
+    def masks_along(self, drafts: list[int]) -> torch.Tensor:
+        """[len(drafts) + 1, vocab] bool: the tokens forbidden before each draft and after
+        the last (a verification's rows); the matcher is rolled back to where it was."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        bits = allocate_token_bitmask(len(drafts) + 1, self.vocab)
+        taken = 0
+        for row in range(len(drafts) + 1):
+            fill_next_token_bitmask(self.m, bits, row)
+            if row < len(drafts) and self.m.consume_token(int(drafts[row])):
+                taken += 1
+        if taken:
+            self.m.rollback(taken)
+        return _forbidden(bits, self.vocab)
+
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _llg_executor = None
@@ -105,8 +128,13 @@ def forbidden_tokens(matchers: list[Matcher]) -> torch.Tensor:
     vocab = matchers[0].vocab
     bits = allocate_token_bitmask(len(matchers), vocab)
     fill_next_token_bitmask_par(_llg_executor, [(m.m, i) for i, m in enumerate(matchers)], bits)
+    return _forbidden(bits, vocab)
+
+
+def _forbidden(bits, vocab: int) -> torch.Tensor:
+    """llguidance's bitmask rows (a set bit allows a token) as [rows, vocab] forbidden."""
     bit = (torch.from_numpy(np.ascontiguousarray(bits)).unsqueeze(-1) >> _SHIFTS) & 1
-    return bit.view(len(matchers), -1)[:, :vocab] == 0
+    return bit.view(bits.shape[0], -1)[:, :vocab] == 0
 
 
 def start_masks(matchers: list[Matcher]) -> Future:

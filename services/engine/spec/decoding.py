@@ -86,11 +86,8 @@ class SpecDecoding:
             room = min(self.k, req.max_total_tokens - req.num_tokens - 1)
             if req.num_tokens - req.num_computed_tokens != 1 or room < 1:
                 continue
-            thinking = req.thinking is not None and not req.thinking.done
-            if req.request_id in skip or req.grammar is not None or thinking:
-                # a constrained request's drafts would need the grammar's rollback, a
-                # budgeted one's the budget's
-                continue
+            if req.request_id in skip or (req.thinking is not None and not req.thinking.done):
+                continue  # a budgeted thinking's drafts would need the budget's rollback
             hidden = runner.take_aux_rows(req.request_id) if runner.aux_layers else None
             batch.append(ProposeInput(req.request_id, req.all_token_ids, hidden))
             self._seen.add(req.request_id)
@@ -102,7 +99,10 @@ class SpecDecoding:
         if len(drafts) != len(batch):
             raise RuntimeError(f"proposer returned {len(drafts)} lists for {len(batch)}")
         for req, tokens, limit in zip(reqs, drafts, limits, strict=True):
-            req.spec_token_ids = self._valid(tokens[:limit])
+            tokens = self._valid(tokens)
+            if req.grammar is not None:
+                tokens = _grammar_drafts(req.grammar, tokens)
+            req.spec_token_ids = tokens[:limit]
 
     def _valid(self, tokens: list[int]) -> list[int]:
         """The drafts up to the first that is no token of the target's vocabulary."""
@@ -125,3 +125,10 @@ class SpecDecoding:
             tokens = emitted.get(item.request_id)
             if item.draft_token_ids and tokens:
                 self.stats.observe(len(item.draft_token_ids), len(tokens) - 1)
+
+
+def _grammar_drafts(grammar, proposed: list[int]) -> list[int]:
+    """A constrained request's drafts: the tokens its grammar forces, when it forces
+    some (they are always accepted: jump-forward at the price of a verification row);
+    else the proposer's, up to the first the grammar refuses."""
+    return grammar.forced() or grammar.valid_drafts(proposed)

@@ -48,16 +48,14 @@ class DraftRow:
 
 def verify_rows(req: Request, drafts: list[int]) -> list[Request | DraftRow]:
     """The 1 + len(drafts) sampling rows of one request, in order (row 0 is ``req``)."""
-    rows: list[Request | DraftRow] = [req]
-    if drafts:
-        known, out = req.all_token_ids, req.output_token_ids
-        for i in range(1, len(drafts) + 1):
-            rows.append(
-                DraftRow(
-                    req.sampling_params, req.eos_token_ids, known + drafts[:i], out + drafts[:i]
-                )
-            )
-    return rows
+    return [req, *(verify_row(req, drafts[:i]) for i in range(1, len(drafts) + 1))]
+
+
+def verify_row(req: Request, drafts: list[int]) -> DraftRow:
+    """``req`` with ``drafts`` appended as if generated (no grammar: a constrained
+    request's masks along its drafts are applied by the caller)."""
+    known, out = req.all_token_ids, req.output_token_ids
+    return DraftRow(req.sampling_params, req.eos_token_ids, known + drafts, out + drafts)
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:
