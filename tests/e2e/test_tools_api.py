@@ -7,6 +7,8 @@ template: every well-formed call is the grammar's doing. Served with
 from __future__ import annotations
 
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -218,6 +220,41 @@ def test_grpc_takes_tools_and_answers_with_calls(served):
         with pytest.raises(grpc.RpcError) as bad:
             stub.GenerateOnce(req, timeout=60)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_mixed_batch_of_16_concurrent_requests(client):
+    """Tool choices, a schema, a regex, a choice and free text at once: each answer
+    keeps its own constraint."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    asks = [
+        ("required", {"tools": TOOLS, "tool_choice": "required"}),
+        ("named", {"tools": TOOLS, "tool_choice": named}),
+        ("json", {"response_format": fmt}),
+        ("regex", {"extra_body": {"structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}}}),
+        ("choice", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}),
+        ("free", {"max_tokens": 8}),
+    ]
+    jobs = [asks[i % len(asks)] for i in range(16)]
+
+    def one(job):
+        kind, kw = job
+        extra = {**kw.pop("extra_body", {}), "chat_template_kwargs": {"enable_thinking": False}}
+        return kind, _chat(client, temperature=0.8, seed=len(kind), extra_body=extra, **kw)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, [(k, dict(kw)) for k, kw in jobs]))
+    for kind, out in results:
+        message = out.choices[0].message
+        if kind in ("required", "named"):
+            assert message.tool_calls and all(valid_call(c) for c in message.tool_calls)
+            assert kind == "required" or message.tool_calls[0].function.name == "get_time"
+        elif kind == "json":
+            assert set(json.loads(message.content)) == {"city", "days"}
+        elif kind == "regex":
+            assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", message.content.strip())
+        elif kind == "choice":
+            assert message.content.strip() in ("yes", "no")
 
 
 def test_models_list_tool_calling_and_reasoning(client):
