@@ -1,6 +1,6 @@
 """The cost of structured outputs in the engine (docs/structured-outputs.md).
 
-    python bench/structured_outputs.py [--rounds 3] [--threads 1] [--json so.json]
+    python bench/structured_outputs.py [--rounds 3] [--threads 1] [--backend guidance|xgrammar]
 
 On the shared 56 M Llama with the demo's WordPiece tokenizer (``_peers_checkpoint.py``
 ``text_words_checkpoint``: random weights, so every valid output is the grammar's doing),
@@ -151,12 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", default="guidance", choices=("guidance", "xgrammar"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    llm = LLM(str(text_words_checkpoint(CACHE)), num_kv_blocks=2048, block_size=16)
+    llm = LLM(
+        str(text_words_checkpoint(CACHE)),
+        num_kv_blocks=2048,
+        block_size=16,
+        structured_outputs_backend=args.backend,
+    )
     doc = {
         "bench": "structured_outputs",
+        "backend": args.backend,
         "threads": args.threads,
         "throughput": throughput(llm, args.rounds),
         "first_mask": first_mask(llm),

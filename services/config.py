@@ -127,6 +127,15 @@ class EngineConfig(Settings):
         "(docs/spec-decode.md). Unset: off.",
     )
 
+    structured_outputs_backend: str = setting(
+        "auto",
+        doc="Grammar backend of structured outputs (docs/structured-outputs.md): `guidance` "
+        "(llguidance, every constraint and tokenizer) or `xgrammar` (where installed: JSON "
+        "schemas, regexes, choices and GBNF; llguidance keeps Lark, tool and reasoning "
+        "grammars). `auto`: `guidance`.",
+        choices=("auto", "guidance", "xgrammar"),
+    )
+
     def normalize(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

@@ -58,7 +58,10 @@ class LLMEngine(EngineRequests):
         self.image_preprocessor = ImagePreprocessor(lm.model_dir) if self.multimodal else None
         self.eos_token_ids = lm.info.eos_token_ids(self.tokenizer.eos_token_id)
         self.grammars = GrammarSet(
-            self.tokenizer, list(self.eos_token_ids), lm.text_config.vocab_size
+            self.tokenizer,
+            list(self.eos_token_ids),
+            lm.text_config.vocab_size,
+            config.structured_outputs_backend,
         )
         self.max_model_len = lm.max_model_len
         self.kv = self._make_kv_pool(lm)

@@ -13,6 +13,7 @@ import torch
 
 from services.structured.outputs import StructuredOutputs
 from services.structured.tokenizer import guidance_tokenizer
+from services.structured.xgrammar_backend import XGrammarCompiler, handles, xgrammar_available
 
 
 class GrammarSet:
@@ -25,11 +26,24 @@ class GrammarSet:
     after it cost one compile between them."""
 
     def __init__(
-        self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int, cache_size: int = 256
+        self,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        vocab_size: int,
+        backend: str = "auto",
+        cache_size: int = 256,
     ):
         self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
         self.vocab_size, self.cache_size = vocab_size, cache_size
         self._ll = None
+        # xgrammar compiles what it can (services/structured/xgrammar_backend.py).
+        self._xgr = None
+        if backend == "xgrammar":
+            if not xgrammar_available():
+                raise ValueError(
+                    "structured outputs backend xgrammar: the package is not installed"
+                )
+            self._xgr = XGrammarCompiler(tokenizer, self.eos_token_ids, vocab_size)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()  # serve all's gateway checks from a worker thread
 
@@ -44,33 +58,43 @@ class GrammarSet:
         """ValueError saying why the constraint does not compile (else it is kept)."""
         self._compiled_matcher(constraint)
 
-    def matcher(self, constraint: StructuredOutputs, produced: list[int]) -> Matcher:
+    def matcher(self, constraint: StructuredOutputs, produced: list[int]):
         """A request's matcher, advanced over the tokens it has already produced (a
         resumed or migrated request)."""
+        if self._xgr is not None and handles(constraint):
+            return self._xgr.matcher(self._compiled_matcher(constraint), produced, self.vocab_size)
         m = self._compiled_matcher(constraint).deep_copy()
         if produced and not m.consume_tokens(list(produced)):
             raise ValueError(f"structured_outputs: earlier tokens break it: {m.get_error()}")
         return Matcher(m, self.vocab_size)
 
     def _compiled_matcher(self, constraint: StructuredOutputs):
-        """The constraint's pristine matcher, compiled once (never advanced itself)."""
-        from llguidance import LLMatcher
-
+        """The constraint compiled once: llguidance's pristine matcher (never advanced
+        itself), or xgrammar's compiled grammar."""
         key = constraint.key()
         with self._lock:
             if (m := self._compiled.get(key)) is not None:
                 self._compiled.move_to_end(key)
                 return m
+        if self._xgr is not None and handles(constraint):
+            m = self._xgr.compile(constraint)
+        else:
+            m = self._guidance(constraint)
+        with self._lock:
+            self._compiled[key] = m
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return m
+
+    def _guidance(self, constraint: StructuredOutputs):
+        from llguidance import LLMatcher
+
         try:
             m = LLMatcher(self.ll, constraint.lark(), log_level=0)
         except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(f"structured_outputs: {e}") from e
         if m.is_error():
             raise ValueError(f"structured_outputs: {m.get_error()}")
-        with self._lock:
-            self._compiled[key] = m
-            while len(self._compiled) > self.cache_size:
-                self._compiled.popitem(last=False)
         return m
 
 
@@ -85,6 +109,12 @@ class Matcher:
         grammar refuses puts it in error: from then on only EOS is allowed."""
         self.m.consume_token(int(token))
 
+    def fill(self, bits, row: int) -> None:
+        """Write this matcher's mask into row ``row`` of a bitmask array."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.m, bits, row)
+
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         """The longest prefix of ``drafts`` the grammar allows (nothing consumed)."""
         return list(drafts[: self.m.validate_tokens(list(drafts))])
@@ -96,17 +126,15 @@ class Matcher:
     def masks_along(self, drafts: list[int]) -> torch.Tensor:
         """[len(drafts) + 1, vocab] bool: the tokens forbidden before each draft and after
         the last (a verification's rows); the matcher is rolled back to where it was."""
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-
-        bits = allocate_token_bitmask(len(drafts) + 1, self.vocab)
+        bits = bitmask(len(drafts) + 1, self.vocab)
         taken = 0
         for row in range(len(drafts) + 1):
-            fill_next_token_bitmask(self.m, bits, row)
+            self.fill(bits, row)
             if row < len(drafts) and self.m.consume_token(int(drafts[row])):
                 taken += 1
         if taken:
             self.m.rollback(taken)
-        return _forbidden(bits, self.vocab)
+        return forbidden_of(bits, self.vocab)
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -116,23 +144,35 @@ _llg_executor = None
 _mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-masks")
 
 
-def forbidden_tokens(matchers: list[Matcher]) -> torch.Tensor:
-    """[len(matchers), vocab] bool: the tokens each grammar forbids next (the masks
-    computed at once, on llguidance's own threads)."""
+def forbidden_tokens(matchers: list) -> torch.Tensor:
+    """[len(matchers), vocab] bool: the tokens each grammar forbids next. llguidance's
+    masks are computed at once, on its own threads; xgrammar's one by one."""
     global _llg_executor
     from llguidance import LLExecutor
-    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+    from llguidance.numpy import fill_next_token_bitmask_par
 
     if _llg_executor is None:
         _llg_executor = LLExecutor()
     vocab = matchers[0].vocab
-    bits = allocate_token_bitmask(len(matchers), vocab)
-    fill_next_token_bitmask_par(_llg_executor, [(m.m, i) for i, m in enumerate(matchers)], bits)
-    return _forbidden(bits, vocab)
+    bits = bitmask(len(matchers), vocab)
+    guided = [(m.m, i) for i, m in enumerate(matchers) if isinstance(m, Matcher)]
+    if guided:
+        fill_next_token_bitmask_par(_llg_executor, guided, bits)
+    for i, m in enumerate(matchers):
+        if not isinstance(m, Matcher):
+            m.fill(bits, i)
+    return forbidden_of(bits, vocab)
 
 
-def _forbidden(bits, vocab: int) -> torch.Tensor:
-    """llguidance's bitmask rows (a set bit allows a token) as [rows, vocab] forbidden."""
+def bitmask(rows: int, vocab: int):
+    """A bitmask array of ``rows`` masks (int32 words, a set bit allows a token)."""
+    from llguidance.numpy import allocate_token_bitmask
+
+    return allocate_token_bitmask(rows, vocab)
+
+
+def forbidden_of(bits, vocab: int) -> torch.Tensor:
+    """A bitmask array's rows as [rows, vocab] bool: True where a token is forbidden."""
     bit = (torch.from_numpy(np.ascontiguousarray(bits)).unsqueeze(-1) >> _SHIFTS) & 1
     return bit.view(bits.shape[0], -1)[:, :vocab] == 0
 

@@ -37,6 +37,12 @@ def guidance_tokenizer(tokenizer: Any, eos_token_ids: list[int], vocab_size: int
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(table))
 
 
+def wordpiece_table(tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> list[bytes]:
+    """The bytes each WordPiece token adds to the text (special ones marked), for a
+    grammar backend that cannot read WordPiece (xgrammar too)."""
+    return _WordPieceTable(tokenizer, eos_token_ids, vocab_size).tokens
+
+
 class _WordPieceTable:
     """What ``llguidance.TokenizerWrapper`` reads: ``tokens`` (the bytes of each id),
     the special ids, and ``__call__`` (text -> ids)."""
