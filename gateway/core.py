@@ -29,6 +29,20 @@ log = logging.getLogger(__name__)
 _THREAD_PREPARE_BYTES = 256 << 10
 
 
+# A constraint whose check takes longer than this is refused (a 400): compiling is per
+# request, and a pathological schema must not hold a worker (llguidance also bounds the
+# work of each mask).
+COMPILE_TIMEOUT_S = 10.0
+
+
+async def within(check, timeout_s: float) -> None:
+    """Await ``check``; ValueError when it takes longer than ``timeout_s``."""
+    try:
+        await asyncio.wait_for(check, timeout_s)
+    except TimeoutError as e:
+        raise ValueError(f"compiling took longer than {timeout_s:g} s") from e
+
+
 class ServingBackend(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -73,7 +87,7 @@ class GatewayCore:
             constraint = prep.params.structured_outputs
             if constraint is not None:  # compiled now: a bad one is a 400 before any work
                 try:
-                    await self.backend.check_constraint(constraint)
+                    await within(self.backend.check_constraint(constraint), COMPILE_TIMEOUT_S)
                 except ValueError as e:
                     raise InvalidRequest(f"{constraint_param}: {e}", constraint_param) from e
         except Exception as e:

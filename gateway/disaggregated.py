@@ -88,8 +88,8 @@ class DisaggregatedBackend:
 
     async def check_constraint(self, constraint: StructuredOutputs) -> None:
         """ValueError when ``constraint`` does not compile (its syntax: the workers
-        compile it for the model's tokenizer)."""
-        constraint.check()
+        compile it for the model's tokenizer); in a thread, off the event loop."""
+        await asyncio.to_thread(constraint.check)
 
     def ready(self) -> bool:
         """Serving needs a prefill and a decode instance (and an encoder for a VLM)."""

@@ -246,3 +246,17 @@ def test_structural_tag_enforces_a_structure_from_its_trigger(llm):
         )
     (out,) = _one(llm, temperature=1.0, seed=3, max_tokens=20, structured_outputs=so)
     assert "<fn=" not in out.text or re.search(r"<fn=a>[12]</fn>", out.text), out.text
+
+
+def test_a_check_past_its_time_bound_is_refused():
+    """The gateway bounds a constraint's check (gateway/core.py COMPILE_TIMEOUT_S)."""
+    import asyncio
+
+    from gateway.core import within
+
+    async def slow():
+        await asyncio.sleep(1)
+
+    with pytest.raises(ValueError, match="took longer than 0.05 s"):
+        asyncio.run(within(slow(), 0.05))
+    asyncio.run(within(asyncio.sleep(0), 0.05))
