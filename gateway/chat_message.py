@@ -8,8 +8,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from gateway.reasoning import ReasoningParser
-from gateway.tools import ToolParser
+from gateway.reasoning import ReasoningParser, ReasoningStream
+from gateway.tools import ToolParser, ToolStream
 
 
 def call_id() -> str:
@@ -25,6 +25,8 @@ def _tool_call(index: int | None, name: str, arguments: str) -> dict:
 class ChatParsers:
     tools: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    # tool_choice named a function: OpenAI ends such an answer with "stop".
+    named: bool = False
 
     def message(self, text: str) -> tuple[dict, bool]:
         """``choices[i].message`` of a whole answer, and whether it called tools."""
@@ -51,8 +53,8 @@ class ChatParsers:
 class ChatStream:
     """One choice's deltas. ``called``: a tool call has started."""
 
-    tools: object | None
-    reasoning: object | None
+    tools: ToolStream | None
+    reasoning: ReasoningStream | None
     called: bool = False
 
     def feed(self, text: str, last: bool) -> dict:

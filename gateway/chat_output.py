@@ -18,7 +18,14 @@ from services.structured.outputs import StructuredOutputs
 
 _CHOICES = ("none", "auto", "required")
 # Keywords of the template call that the request may not set through chat_template_kwargs.
-_RESERVED = {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"}
+_RESERVED = {
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "tokenize",
+    "continue_final_message",
+    "chat_template",  # a request's own template: vLLM takes one only behind a flag
+}
 
 
 @dataclass
@@ -61,13 +68,22 @@ class ChatOptions:
         return json.dumps([*body, self.thinking_token_budget], sort_keys=True, default=str)
 
 
+def earlier_call(call_id: str, name: str, arguments: str) -> dict:
+    """An assistant's earlier tool call as chat templates read it: the arguments as an
+    object (templates write them with ``tojson``) when they are JSON."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        args = arguments
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
 def _tool_choice(value: Any, functions: list[Function]) -> str:
     if value is None:
         return "auto" if functions else "none"
     if isinstance(value, dict):
-        name = (
-            (value.get("function") or {}).get("name") if value.get("type") == "function" else None
-        )
+        function = value.get("function") if value.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise InvalidRequest(
                 'tool_choice must be "none", "auto", "required" or '
@@ -114,7 +130,8 @@ class ChatOutputs:
         markers = [*(tools.markers if tools else ()), *self._reasoning_tags()]
         if any(self._special_id(m) is not None for m in markers):
             params["skip_special_tokens"] = False  # the parsers must see the markers
-        return ChatParsers(tools, thinking)
+        named = options.tool_choice not in ("none", "auto", "required")
+        return ChatParsers(tools, thinking, named)
 
     def _tools(self, options: ChatOptions, params: dict):
         """The tool parser of the request (None: its calls are not read), its grammar
@@ -150,9 +167,10 @@ class ChatOutputs:
         """A constraint applies after the thinking; the budget bounds the thinking."""
         end = self.reasoning.end
         constraint = params.get("structured_outputs")
-        if constraint is not None:
+        if constraint is not None:  # a special-token tag is matched by its id
+            tag = end if self._special_id(end) is None else self._token(end)
             params["structured_outputs"] = StructuredOutputs(
-                **{**vars(constraint), "reasoning_end": end}
+                **{**vars(constraint), "reasoning_end": tag}
             )
         if budget is not None:
             params["thinking_token_budget"] = budget

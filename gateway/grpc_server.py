@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.chat_output import ChatOptions
+from gateway.chat_output import ChatOptions, earlier_call
 from gateway.core import GatewayCore
 from gateway.errors import classify
 from gateway.models import ModelSet
@@ -46,22 +46,15 @@ def _messages(chat: pb.Chat) -> list[dict]:
 def _tool_fields(m: pb.ChatMessage) -> dict:
     out = {k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k)}
     if m.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": _json(c.arguments, c.arguments)},
-            }
-            for c in m.tool_calls
-        ]
+        out["tool_calls"] = [earlier_call(c.id, c.name, c.arguments) for c in m.tool_calls]
     return out
 
 
-def _json(text: str, default):
+def _json_field(text: str, param: str):
     try:
-        return json.loads(text) if text else default
-    except ValueError:
-        return default
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(f"{param} is not valid JSON: {e}", param) from e
 
 
 def _chat_options(chat: pb.Chat) -> ChatOptions:
@@ -72,12 +65,13 @@ def _chat_options(chat: pb.Chat) -> ChatOptions:
             "function": {
                 "name": t.name,
                 "description": t.description,
-                "parameters": _json(t.parameters, None) if t.parameters else {},
+                "parameters": _json_field(t.parameters, "tools") if t.parameters else {},
             },
         }
         for t in chat.tools
     ]
-    kwargs = _json(chat.chat_template_kwargs, None) if chat.chat_template_kwargs else {}
+    kwargs = chat.chat_template_kwargs
+    kwargs = _json_field(kwargs, "chat_template_kwargs") if kwargs else {}
     if not isinstance(kwargs, dict):
         raise InvalidRequest("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
     choice = chat.tool_choice or None

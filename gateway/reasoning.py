@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from gateway.tools.base import partial_marker
+
 # Where a stream stands in the output.
 _HEAD = "head"  # the first characters: is there a leading tag?
 _REASONING = "reasoning"  # inside the thinking, watching for the end tag
@@ -129,7 +131,7 @@ class ReasoningStream:
         if final:
             text, self._buf = self._buf, ""
             return text.removesuffix("\n")
-        hold = _partial_tag(self._buf, end)
+        hold = partial_marker(self._buf, end)
         text = self._buf[: len(self._buf) - hold]
         if text.endswith("\n"):
             text, hold = text[:-1], hold + 1
@@ -149,14 +151,6 @@ class ReasoningStream:
 
 def _proper_prefix(text: str, tag: str) -> bool:
     return len(text) < len(tag) and tag.startswith(text)
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -52,6 +52,10 @@ class ResponseCache:
         if not (sp.greedy or self.config.cache_sampled):
             return None
         text, context = _split(prep)
+        if prep.parsers.tools is not None:
+            # A tool call's arguments come from the question's own words: a paraphrase
+            # must not get them. Exact hits only (no text: no semantic index).
+            text = ""
         keyed = {k: v for k, v in dataclasses.asdict(sp).items() if k not in _NOT_KEYED}
         fingerprint = _sha(
             {

@@ -45,12 +45,15 @@ class OutputStream:
     def add(self, event: TokenEvent) -> Delta:
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         start = len(self.state.token_ids)
+        # A token that stopped the request (EOS, a stop token id) adds no text.
+        by_token = event.finish_reason == "stop" and not isinstance(event.stop_reason, str)
+        last = len(event.token_ids) - 1
         for i, tok in enumerate(event.token_ids):
             if self.finished:
                 break
             lp = event.logprobs[i] if i < len(event.logprobs) else None
             self._lps.append(lp)
-            stop = self.state.append(tok, None)
+            stop = self.state.append(tok, None, text=not (by_token and i == last))
             if stop is not None:
                 self.state.finish("stop", stop)
                 self.stopped = True

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import binascii
 
+from jinja2 import TemplateError
+
 from services.image_checks import ImageError
 
 _IMAGE_TYPES = ("image", "image_url", "input_image")
@@ -66,7 +68,10 @@ def render_chat(
     msgs, images = split_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template; send a raw prompt instead")
-    text = tokenizer.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except TemplateError as e:  # the template refused these messages (roles, tools...)
+        raise ValueError(f"messages: the chat template refused them: {e}") from e
     return text, images

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 from starlette.responses import Response
 
 from gateway.chat_message import ChatParsers, ChatStream
-from gateway.chat_output import ChatOptions
+from gateway.chat_output import ChatOptions, earlier_call
 from gateway.models import ModelSet
 from gateway.rest.media import MediaLoader
 from gateway.rest.middleware import Call
@@ -39,23 +38,30 @@ class ChatRenderer:
             "index": stream.index,
             "message": message,
             "logprobs": self._logprobs(stream.logprobs),
-            "finish_reason": _finish(stream, called),
+            "finish_reason": _finish(stream, called and not self.parsers.named),
         }
 
     def chunk_choice(self, prompt: int, delta: Delta, stream: OutputStream, first: bool) -> dict:
-        parts = self._streams.setdefault(delta.index, self.parsers.stream())
+        if delta.index not in self._streams:
+            self._streams[delta.index] = self.parsers.stream()
+        parts = self._streams[delta.index]
         fields = parts.feed(delta.text, last=delta.finish_reason is not None)
         content = {"role": "assistant", "content": ""} if first else {}
         return {
             "index": delta.index,
             "delta": {**content, **fields},
             "logprobs": self._logprobs(delta.logprobs) if delta.token_ids else None,
-            "finish_reason": _finish(stream, parts.called) if delta.finish_reason else None,
+            "finish_reason": (
+                _finish(stream, parts.called and not self.parsers.named)
+                if delta.finish_reason
+                else None
+            ),
         }
 
 
 def _finish(stream: OutputStream, called: bool) -> str | None:
-    """OpenAI's ``tool_calls`` when the answer ended calling tools."""
+    """OpenAI's ``tool_calls`` when the answer ended calling tools (the model's choice:
+    ``auto`` or ``required``)."""
     reason = finish_reason(stream)
     return "tool_calls" if called and reason == "stop" else reason
 
@@ -122,26 +128,11 @@ async def resolve_messages(media: MediaLoader | None, messages: list[ChatMessage
 
 
 def _tool_fields(m: ChatMessage) -> dict:
-    """A message's tool fields for the chat template: templates read an earlier call's
-    arguments as an object (they write them with ``tojson``), so JSON text is parsed."""
-    out = {}
+    """A message's tool fields for the chat template."""
+    out = {k: getattr(m, k) for k in ("tool_call_id", "name", "reasoning_content")}
+    out = {k: v for k, v in out.items() if v is not None}
     if m.tool_calls:
         out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": _args(c.function.arguments)},
-            }
-            for c in m.tool_calls
+            earlier_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls
         ]
-    for name in ("tool_call_id", "name", "reasoning_content"):
-        if getattr(m, name) is not None:
-            out[name] = getattr(m, name)
     return out
-
-
-def _args(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text

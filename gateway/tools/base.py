@@ -85,8 +85,9 @@ class ToolParser:
 
 class ToolStream:
     """Incremental parsing of one answer: the deltas ``feed`` and ``finish`` return are
-    the same for any split of the text, and add up to what ``parse`` makes of it. The
-    exception: a call that breaks after its name was sent (cut off, bad JSON inside)
+    the same for any split of the text, and add up to what ``parse`` makes of it: the
+    same content, names and calls, each call's argument fragments joining to JSON text
+    of the same object (the model's own text; ``parse`` writes it anew). The exception: a call that breaks after its name was sent (cut off, bad JSON inside)
     cannot be taken back; it stays a call, its arguments possibly unreadable. Content
     is held back only while it could be the start of a marker, or is whitespace that
     ``parse`` would strip (leading, or trailing so far)."""

@@ -25,6 +25,7 @@ from services.engine.scheduler import Scheduler
 from services.engine.scheduler_config import SchedulerConfig
 from services.engine.spec.decoding import SpecDecoding
 from services.engine.step_metrics import observe_scheduled, observe_step
+from services.engine.thinking import thinking_pending
 from services.images import ImagePreprocessor
 from services.kernels.backend import get_backend
 from services.models.factory import LoadedModel, load_model, resolve_device
@@ -109,7 +110,10 @@ class LLMEngine(EngineRequests):
         n = self.config.num_scheduler_steps
         if n <= 1 or self.spec is not None or self.exports.pending:  # spec: steps verify drafts
             return 1
-        return n if all(plain_greedy(r) for r in self.scheduler.running) else 1
+        running = self.scheduler.running
+        if any(thinking_pending(r) for r in running):  # its end is forced at one position
+            return 1
+        return n if all(plain_greedy(r) for r in running) else 1
 
     def _run_step(self, so) -> tuple[list[Request], dict, dict, dict]:
         """Run the scheduled step: (finished, tokens per request, their logprobs per
@@ -142,7 +146,7 @@ class LLMEngine(EngineRequests):
                 self.spec.free(rid)
         finished, new_tokens, logprobs, exported = self._run_step(so)
         observe_step(so, new_tokens)
-        touched = self._append(new_tokens, logprobs)
+        touched = self._append(new_tokens, logprobs, _stopped_by_token(finished))
         for req in finished:
             if req.request_id in self.states:
                 self.states[req.request_id].finish(req.status.value, req.stop_reason)
@@ -157,9 +161,12 @@ class LLMEngine(EngineRequests):
                 touched[rid].handed_off = True
         return self._outputs(touched, exported)
 
-    def _append(self, new_tokens: dict[str, list[int]], logprobs: dict) -> dict[str, RequestState]:
+    def _append(
+        self, new_tokens: dict[str, list[int]], logprobs: dict, stopped: set[str]
+    ) -> dict[str, RequestState]:
         """Append this step's tokens to their requests' output state, up to a stop string
-        (which finishes the request here); returns the states touched."""
+        (which finishes the request here); returns the states touched. ``stopped``: the
+        requests whose last token is the stop token (it adds no text)."""
         touched: dict[str, RequestState] = {}
         for rid, tokens in new_tokens.items():
             state = self.states.get(rid)
@@ -169,7 +176,8 @@ class LLMEngine(EngineRequests):
             stop, lps = None, logprobs.get(rid, [])
             for i, token in enumerate(tokens):
                 lp = lps[i] if i < len(lps) else None
-                if (stop := state.append(token, lp)) is not None:
+                text = rid not in stopped or i < len(tokens) - 1
+                if (stop := state.append(token, lp, text)) is not None:
                     break
             if stop is not None:
                 state.finish("stop", stop)
@@ -192,3 +200,12 @@ class LLMEngine(EngineRequests):
                     self._drop_request(rid)
             produced.append((rid, bool(state.token_ids), out))
         return self.parallel.gather(produced)
+
+
+def _stopped_by_token(finished: list[Request]) -> set[str]:
+    """The requests a token stopped (EOS or a stop token id, not a stop string)."""
+    return {
+        r.request_id
+        for r in finished
+        if r.status == RequestStatus.FINISHED_STOPPED and not isinstance(r.stop_reason, str)
+    }

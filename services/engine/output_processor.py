@@ -46,13 +46,20 @@ class RequestState:
         self.num_cached_tokens = 0
         # Prefill role: the request continues on a decode instance.
         self.handed_off = False
+        # The tokens that make text: all but a final stop token (None: all).
+        self.text_tokens: int | None = None
 
-    def append(self, token: int, lp: TokenLogprobs | None) -> str | None:
-        """Add one token; returns the stop string it completed, if any."""
+    def append(self, token: int, lp: TokenLogprobs | None, text: bool = True) -> str | None:
+        """Add one token; returns the stop string it completed, if any. ``text`` False:
+        the token that stopped the request (EOS, a stop token id), which adds no text,
+        as in vLLM (a parser reading the text never sees an end-of-text marker)."""
         self.token_ids.append(token)
         if lp is not None and self.logprobs is not None:
             self.logprobs.append(self._logprob_dict(lp))
             self.cum_logprob += lp.logprob
+        if not text:
+            self.text_tokens = len(self.token_ids) - 1
+            return None
         if self.detok is None or self.lazy_text:
             return None
         old = len(self.text)
@@ -95,7 +102,7 @@ class RequestState:
         if self.finish_reason is None:
             self.finish_reason, self.stop_reason = reason, stop_reason
         if self.lazy_text and self.detok is not None:
-            self.text += self.detok.add(self.token_ids)
+            self.text += self.detok.add(self.token_ids[: self.text_tokens])
             self.text += self.detok.flush()
             self.lazy_text = False
 

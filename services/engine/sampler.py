@@ -48,7 +48,7 @@ def mask_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     wins, as its mask then allows nothing else)."""
     for i, req in enumerate(reqs):
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens or getattr(req, "grammar", None) is not None:
+        if req.num_output_tokens >= sp.min_tokens or sp.structured_outputs is not None:
             continue
         banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
         banned = [t for t in banned if 0 <= t < logits.shape[1]]

@@ -24,13 +24,24 @@ class ThinkingBudget:
             return None
         return cls(sp.thinking_token_budget, sp.reasoning_end_token_ids)
 
-    def forced(self, output: list[int]) -> int | None:
-        """The token the budget forces next, or None (still free, or the thinking over)."""
+    def pending(self, output: list[int]) -> bool:
+        """Whether the thinking may still be cut (it has not ended)."""
         self._scan(output)
-        if self.done:
+        return not self.done
+
+    def forced(self, output: list[int]) -> int | None:
+        """The token the budget forces next, or None (still free, or the thinking over).
+        Past the budget, the end's next token after the part of it already written (a
+        step that ran past the budget, or a model that began the tag itself)."""
+        if not self.pending(output) or len(output) < self.budget:
             return None
-        k = len(output) - self.budget
-        return self.end[k] if 0 <= k < len(self.end) else None
+        since = output[self.budget :]
+        written = next(
+            m
+            for m in range(min(len(self.end) - 1, len(since)), -1, -1)
+            if tuple(since[len(since) - m :]) == self.end[:m]
+        )
+        return self.end[written]
 
     def _scan(self, output: list[int]) -> None:
         n = len(self.end)
@@ -43,3 +54,10 @@ def forced_token(req) -> int | None:
     """What ``req``'s thinking budget forces next (None: nothing)."""
     budget = getattr(req, "thinking", None)
     return None if budget is None else budget.forced(req.output_token_ids)
+
+
+def thinking_pending(req) -> bool:
+    """Whether ``req`` has a thinking budget that may still cut its thinking (no bursts
+    or drafts for it: the forced end must land at its position)."""
+    budget = getattr(req, "thinking", None)
+    return budget is not None and budget.pending(req.output_token_ids)

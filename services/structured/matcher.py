@@ -126,15 +126,27 @@ class Matcher:
     def masks_along(self, drafts: list[int]) -> torch.Tensor:
         """[len(drafts) + 1, vocab] bool: the tokens forbidden before each draft and after
         the last (a verification's rows); the matcher is rolled back to where it was."""
-        bits = bitmask(len(drafts) + 1, self.vocab)
-        taken = 0
-        for row in range(len(drafts) + 1):
-            self.fill(bits, row)
-            if row < len(drafts) and self.m.consume_token(int(drafts[row])):
-                taken += 1
-        if taken:
-            self.m.rollback(taken)
-        return forbidden_of(bits, self.vocab)
+        return masks_along(self, drafts)
+
+    def try_token(self, token: int) -> bool:
+        return self.m.consume_token(int(token))
+
+    def rollback(self, n: int) -> None:
+        self.m.rollback(n)
+
+
+def masks_along(matcher, drafts: list[int]) -> torch.Tensor:
+    """``Matcher.masks_along`` for either backend's matcher (``fill``, ``try_token``,
+    ``rollback``)."""
+    bits = bitmask(len(drafts) + 1, matcher.vocab)
+    taken = 0
+    for row in range(len(drafts) + 1):
+        matcher.fill(bits, row)
+        if row < len(drafts) and matcher.try_token(drafts[row]):
+            taken += 1
+    if taken:
+        matcher.rollback(taken)
+    return forbidden_of(bits, matcher.vocab)
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)

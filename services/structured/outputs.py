@@ -115,12 +115,17 @@ class StructuredOutputs:
 
 def after_text(end: str, body: str) -> str:
     """Free text up to the first ``end`` (a lazy lexeme: it stops there, so the grammar
-    never swallows the tag), at most two newlines, then ``body``."""
+    never swallows the tag), at most two newlines, then ``body``. ``end`` written
+    ``<[id]>`` is one special token, which no text can hold: free text, then it."""
     grammars = json.loads(body)["grammars"] if body.lstrip().startswith("{") else None
     grammars = grammars or [{"lark_grammar": body}]
     grammars[0] = {**grammars[0], "name": "answer"}
-    tag = re.escape(end).replace("/", "\\/")
-    head = f"start: thinking SEP @answer\nthinking[lazy]: /(.|\\n)*{tag}/\nSEP: /\\n{{0,2}}/\n"
+    if re.fullmatch(r"<\[\d+\]>", end):
+        thinking = f"thinking: TEXT {end}\nTEXT: /(.|\\n)*/\n"
+    else:
+        tag = re.escape(end).replace("/", "\\/")
+        thinking = f"thinking[lazy]: /(.|\\n)*{tag}/\n"
+    head = f"start: thinking SEP @answer\n{thinking}SEP: /\\n{{0,2}}/\n"
     return json.dumps({"grammars": [{"lark_grammar": head}, *grammars]})
 
 
@@ -132,6 +137,8 @@ def _structural_tag(value: dict | str) -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs.structural_tag must be an object")
     structures, triggers = value.get("structures"), value.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise ValueError("structured_outputs.structural_tag needs a non-empty 'structures'")

@@ -50,6 +50,7 @@ class XGrammarCompiler:
                 tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
             )
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.stop_ids = list(eos_token_ids)
 
     def compile(self, c: StructuredOutputs):
         """The compiled grammar; ValueError saying why not."""
@@ -77,43 +78,49 @@ class XGrammarCompiler:
         for token in produced:
             if not m.accept_token(int(token)):
                 raise ValueError("structured_outputs: earlier tokens break it")
-        return XGrammarMatcher(m, vocab)
+        return XGrammarMatcher(m, vocab, self.stop_ids)
 
 
 class XGrammarMatcher:
     """One request's position in its xgrammar grammar (the interface of
     services/structured/matcher.py Matcher)."""
 
-    def __init__(self, matcher: Any, vocab: int):
-        self.m, self.vocab = matcher, vocab
+    def __init__(self, matcher: Any, vocab: int, stop_ids: list[int]):
+        self.m, self.vocab, self.stop_ids = matcher, vocab, stop_ids
+        # A token it refused (xgrammar, unlike llguidance, stays where it was): from
+        # then on only the end is allowed, as llguidance does.
+        self.broken = False
 
     def accept(self, token: int) -> None:
-        self.m.accept_token(int(token))
+        self.broken = self.broken or not self.m.accept_token(int(token))
 
     def fill(self, bits, row: int) -> None:
         """Write this matcher's mask into row ``row`` of a bitmask array."""
-        self.m.fill_next_token_bitmask(torch.from_numpy(bits), row)
+        if not self.broken:
+            self.m.fill_next_token_bitmask(torch.from_numpy(bits), row)
+            return
+        bits[row] = 0
+        for t in self.stop_ids:
+            bits[row, t // 32] |= 1 << (t % 32)
+
+    def try_token(self, token: int) -> bool:
+        return not self.broken and self.m.accept_token(int(token))
+
+    def rollback(self, n: int) -> None:
+        self.m.rollback(n)
 
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         taken = 0
-        while taken < len(drafts) and self.m.accept_token(int(drafts[taken])):
+        while taken < len(drafts) and self.try_token(drafts[taken]):
             taken += 1
         if taken:
-            self.m.rollback(taken)
+            self.rollback(taken)
         return list(drafts[:taken])
 
     def forced(self) -> list[int]:
-        return list(self.m.find_jump_forward_tokens())
+        return [] if self.broken else list(self.m.find_jump_forward_tokens())
 
     def masks_along(self, drafts: list[int]) -> torch.Tensor:
-        from services.structured.matcher import bitmask, forbidden_of
+        from services.structured.matcher import masks_along
 
-        bits = bitmask(len(drafts) + 1, self.vocab)
-        taken = 0
-        for row in range(len(drafts) + 1):
-            self.fill(bits, row)
-            if row < len(drafts) and self.m.accept_token(int(drafts[row])):
-                taken += 1
-        if taken:
-            self.m.rollback(taken)
-        return forbidden_of(bits, self.vocab)
+        return masks_along(self, drafts)

@@ -125,6 +125,7 @@ def test_vllm_structured_outputs_on_chat_and_completions(client):
         ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"structured_outputs": {"structural_tag": {"structures": []}}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": 5}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

@@ -108,6 +108,7 @@ def test_named_tool_is_called_once(client):
         out = _chat(client, tools=TOOLS, tool_choice=named, temperature=1.0, seed=seed)
         (call,) = out.choices[0].message.tool_calls
         assert call.function.name == "get_time" and valid_call(call)
+        assert out.choices[0].finish_reason == "stop"  # OpenAI's, for a forced function
 
 
 def test_none_and_auto_answer_in_text(client):
@@ -220,6 +221,11 @@ def test_grpc_takes_tools_and_answers_with_calls(served):
         with pytest.raises(grpc.RpcError) as bad:
             stub.GenerateOnce(req, timeout=60)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        req.chat.tool_choice = "required"
+        req.chat.tools[0].parameters = "{not json"
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.GenerateOnce(req, timeout=60)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_mixed_batch_of_16_concurrent_requests(client):
@@ -274,6 +280,8 @@ def test_models_list_tool_calling_and_reasoning(client):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "x"}}, "tool_choice"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ({"tools": [{"type": "function"}]}, "tools"),

@@ -260,3 +260,11 @@ def test_a_check_past_its_time_bound_is_refused():
     with pytest.raises(ValueError, match="took longer than 0.05 s"):
         asyncio.run(within(slow(), 0.05))
     asyncio.run(within(asyncio.sleep(0), 0.05))
+
+
+def test_the_stop_token_adds_no_text(llm):
+    """EOS ends the output without its text, even with special tokens kept (as vLLM)."""
+    (out,) = _one(
+        llm, temperature=0.0, skip_special_tokens=False, structured_outputs={"choice": ["yes"]}
+    )
+    assert out.finish_reason == "stop" and out.text.strip() == "yes", out.text

@@ -5,6 +5,7 @@ only after that end; both survive the bus (wire) and a resumed request."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,6 +21,34 @@ END = "</think>"
 @pytest.fixture(scope="module")
 def llm(tiny_root):
     return LLM(str(make_byte_bpe_checkpoint(tiny_root)), block_size=4, num_kv_blocks=256)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"num_scheduler_steps": 4},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ],
+)
+def test_the_budget_holds_with_bursts_and_speculation(tiny_root, llm, engine):
+    """Greedy bursts and drafts never step over the position where the end is forced;
+    under speculation a constraint after the thinking still applies."""
+    other = LLM(str(make_byte_bpe_checkpoint(tiny_root)), block_size=4, num_kv_blocks=256, **engine)
+    end = _end_ids(llm)
+    out = _generate(
+        other, max_tokens=12, ignore_eos=True, thinking_token_budget=3, reasoning_end_token_ids=end
+    )
+    assert out.token_ids[3 : 3 + len(end)] == end
+    constraint = StructuredOutputs(regex="[0-9]{2}", reasoning_end=END)
+    out = _generate(
+        other,
+        max_tokens=40,
+        structured_outputs=constraint,
+        thinking_token_budget=3,
+        reasoning_end_token_ids=end,
+    )
+    assert out.token_ids[3 : 3 + len(end)] == end
+    assert re.fullmatch(r"\n{0,2}[0-9]{2}", out.text.split(END, 1)[1]), out.text
 
 
 def _end_ids(llm: LLM) -> list[int]:
@@ -54,6 +83,8 @@ def test_budget_state_is_a_function_of_the_tokens():
     assert b.forced([1, 2, 3, 4, 8, 9]) is None and b.done
     early = ThinkingBudget(4, [8, 9])
     assert early.forced([1, 8, 9, 5, 6]) is None and early.done  # the model ended it
+    late = ThinkingBudget(4, [8, 9])  # a step ran past the budget: the end still comes
+    assert late.forced([1, 2, 3, 4, 5, 6]) == 8 and late.forced([1, 2, 3, 4, 5, 8]) == 9
 
 
 def test_constraint_applies_after_the_thinking(llm):

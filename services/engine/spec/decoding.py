@@ -18,6 +18,7 @@ from services.engine.spec.config import SpeculativeConfig
 from services.engine.spec.metrics import SpecStats
 from services.engine.spec.ngram import NgramProposer
 from services.engine.spec.proposer import ProposeInput, Proposer
+from services.engine.thinking import thinking_pending
 from services.models.factory import LoadedModel
 
 
@@ -86,7 +87,7 @@ class SpecDecoding:
             room = min(self.k, req.max_total_tokens - req.num_tokens - 1)
             if req.num_tokens - req.num_computed_tokens != 1 or room < 1:
                 continue
-            if req.request_id in skip or (req.thinking is not None and not req.thinking.done):
+            if req.request_id in skip or thinking_pending(req):
                 continue  # a budgeted thinking's drafts would need the budget's rollback
             hidden = runner.take_aux_rows(req.request_id) if runner.aux_layers else None
             batch.append(ProposeInput(req.request_id, req.all_token_ids, hidden))
@@ -128,7 +129,8 @@ class SpecDecoding:
 
 
 def _grammar_drafts(grammar, proposed: list[int]) -> list[int]:
-    """A constrained request's drafts: the tokens its grammar forces, when it forces
-    some (they are always accepted: jump-forward at the price of a verification row);
-    else the proposer's, up to the first the grammar refuses."""
+    """A constrained request's drafts: the tokens its grammar forces, when it forces some
+    (accepted unless the target spells the forced text in other tokens: jump-forward at
+    the price of a verification row); else the proposer's, up to the first the grammar
+    refuses."""
     return grammar.forced() or grammar.valid_drafts(proposed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engine.request import Request
+from services.engine.thinking import ThinkingBudget
 from services.sampling_params import SamplingParams
 
 
@@ -36,6 +37,9 @@ class DraftRow:
     eos_token_ids: tuple[int, ...]
     all_token_ids: list[int]
     output_token_ids: list[int]
+    # Row 0 of a constrained request keeps its thinking budget (a budget still running
+    # has no drafts, so no other row needs it).
+    thinking: ThinkingBudget | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +59,8 @@ def verify_row(req: Request, drafts: list[int]) -> DraftRow:
     """``req`` with ``drafts`` appended as if generated (no grammar: a constrained
     request's masks along its drafts are applied by the caller)."""
     known, out = req.all_token_ids, req.output_token_ids
-    return DraftRow(req.sampling_params, req.eos_token_ids, known + drafts, out + drafts)
+    thinking = None if drafts else req.thinking
+    return DraftRow(req.sampling_params, req.eos_token_ids, known + drafts, out + drafts, thinking)
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:
