@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -157,7 +158,7 @@ def make_byte_bpe_checkpoint(
     trained here on a few lines; every byte is a token, so any text can be written.
     ``chat_template``: saved with the tokenizer (tests/helpers/chat_templates.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     name = f"{kind}-bytebpe-{seed}" + ("-chat" if chat_template else "")
     out = root / name
@@ -175,10 +176,57 @@ def make_byte_bpe_checkpoint(
     bpe.train_from_iterator(lines * 20, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     tok.chat_template = chat_template
+    return _save_tokenizer_and_model(out, tok, kind, seed, 2048 if chat_template else 512)
+
+
+def make_sentencepiece_checkpoint(root: Path, seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer is SentencePiece-style BPE (the Llama 2 / Mistral
+    kind, as transformers converts it): ``▁`` for spaces, and byte fallback, so any text
+    can be written (a piece for each of the 256 bytes)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = root / f"llama-sentencepiece-{seed}"
+    if (out / "config.json").exists():
+        return out
+    norm = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    learn = Tokenizer(models.BPE(unk_token="<unk>"))
+    learn.normalizer = norm
+    lines = ['{"name": "value", "count": 12, "ok": true}', "the quick brown fox 0123456789"]
+    specials = ["<unk>", "<s>", "</s>"]
+    learn.train_from_iterator(
+        lines * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=specials)
+    )
+    learned = json.loads(learn.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
+    for piece in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    model = models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    sp = Tokenizer(model)
+    sp.normalizer = norm
+    sp.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    sp.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=sp, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    return _save_tokenizer_and_model(out, tok, "llama", seed, 512)
+
+
+def _save_tokenizer_and_model(out: Path, tok, kind: str, seed: int, positions: int) -> Path:
+    """Save ``tok`` and a random-weight model of ``kind`` sized to it (EOS: its own)."""
+    from transformers import AutoModelForCausalLM
+
     tok.save_pretrained(str(out))
     eos = tok.eos_token_id
-    # A chat prompt with tools in it is long: room for it.
-    room = 2048 if chat_template else 512
     cfg = _text_config(
         kind,
         len(tok),
@@ -186,7 +234,7 @@ def make_byte_bpe_checkpoint(
         bos_token_id=eos,
         eos_token_id=eos,
         pad_token_id=eos,
-        max_position_embeddings=room,
+        max_position_embeddings=positions,  # a chat prompt with tools in it is long
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)

@@ -12,7 +12,7 @@ import pytest
 
 from services import LLM, SamplingParams
 from services.structured.outputs import MAX_SCHEMA_DEPTH, StructuredOutputs
-from tests.helpers.checkpoints import make_byte_bpe_checkpoint
+from tests.helpers.checkpoints import make_byte_bpe_checkpoint, make_sentencepiece_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -47,9 +47,13 @@ def valid(text: str) -> bool:
     )
 
 
-@pytest.fixture(scope="module", params=["wordpiece", "byte-bpe"])
+@pytest.fixture(scope="module", params=["wordpiece", "byte-bpe", "sentencepiece"])
 def llm(request, llama_ckpt, tiny_root):
-    ckpt = llama_ckpt if request.param == "wordpiece" else make_byte_bpe_checkpoint(tiny_root)
+    ckpt = {
+        "wordpiece": lambda: llama_ckpt,
+        "byte-bpe": lambda: make_byte_bpe_checkpoint(tiny_root),
+        "sentencepiece": lambda: make_sentencepiece_checkpoint(tiny_root),
+    }[request.param]()
     return LLM(str(ckpt), block_size=4, num_kv_blocks=256)
 
 

@@ -13,7 +13,7 @@ import pytest
 from services import LLM, SamplingParams
 from services.structured.outputs import StructuredOutputs
 from services.structured.xgrammar_backend import XGrammarMatcher
-from tests.helpers.checkpoints import make_byte_bpe_checkpoint
+from tests.helpers.checkpoints import make_byte_bpe_checkpoint, make_sentencepiece_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -35,9 +35,13 @@ def fits(text: str) -> bool:
     return set(doc) == {"name", "n", "color"} and len(doc["name"]) <= 10 and doc["n"] <= 999
 
 
-@pytest.fixture(scope="module", params=["wordpiece", "byte-bpe"])
+@pytest.fixture(scope="module", params=["wordpiece", "byte-bpe", "sentencepiece"])
 def llm(request, llama_ckpt, tiny_root):
-    ckpt = llama_ckpt if request.param == "wordpiece" else make_byte_bpe_checkpoint(tiny_root)
+    ckpt = {
+        "wordpiece": lambda: llama_ckpt,
+        "byte-bpe": lambda: make_byte_bpe_checkpoint(tiny_root),
+        "sentencepiece": lambda: make_sentencepiece_checkpoint(tiny_root),
+    }[request.param]()
     return LLM(str(ckpt), block_size=4, num_kv_blocks=256, structured_outputs_backend="xgrammar")
 
 
