@@ -197,12 +197,10 @@ class ModelRunner:
         if fast:
             picked = self.model.greedy_tokens(hidden.index_select(0, _index(fast, hidden)))
             tokens[fast] = picked.cpu()
-        for i, j in narrow.items():
-            ids = allowed[j].nonzero().view(-1)
-            best = (
-                0 if len(ids) == 1 else int(self.model.logits_for(hidden[i : i + 1], ids).argmax())
+        if narrow:
+            tokens[list(narrow)] = self._narrow_argmax(
+                hidden, list(narrow), allowed[list(narrow.values())]
             )
-            tokens[i] = ids[best]
         wide = [j for j, i in enumerate(rows) if i not in narrow]
         refused = [j for j in wide if forbidden[j, tokens[rows[j]]]]
         if refused:
@@ -213,6 +211,17 @@ class ModelRunner:
         for i in rows:
             reqs[i].grammar.accept(int(tokens[i]))
         return tokens
+
+    def _narrow_argmax(self, hidden, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
+        """The argmax over each row's few allowed tokens, all rows at once: one score per
+        (row, allowed token), the best per row, the lowest id among equals (argmax's)."""
+        row, ids = allowed.nonzero(as_tuple=True)  # row-major: ids ascend within a row
+        h = hidden.index_select(0, _index(rows, hidden)).index_select(0, row.to(hidden.device))
+        scores = self.model.pair_logits(h, ids).cpu()
+        best = torch.full((len(rows),), float("-inf")).scatter_reduce(0, row, scores, "amax")
+        place = torch.where(scores == best[row], torch.arange(len(ids)), len(ids))
+        first = torch.full((len(rows),), len(ids)).scatter_reduce(0, row, place, "amin")
+        return ids[first]
 
     @torch.inference_mode()
     def execute_verify(self, scheduled) -> VerifyOutput:

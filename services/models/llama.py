@@ -60,10 +60,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.backend.linear(hidden, self._head()).float()
 
-    def logits_for(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """``compute_logits(hidden)[:, token_ids]``, scoring only those tokens."""
+    def pair_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(hidden[i])[token_ids[i]]`` for each i: only those scores."""
         head = self._head().index_select(0, token_ids.to(hidden.device))
-        return (hidden @ head.to(hidden.dtype).t()).float()
+        return (hidden * head.to(hidden.dtype)).sum(dim=-1).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of ``compute_logits(hidden)`` per row, without returning the logits."""

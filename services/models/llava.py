@@ -133,8 +133,8 @@ class LlavaForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
-    def logits_for(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.logits_for(hidden, token_ids)
+    def pair_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.pair_logits(hidden, token_ids)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.greedy_tokens(hidden)
