@@ -1,6 +1,6 @@
 """epd-serve against ``vllm serve`` on JSON-schema-constrained generation (issue 30).
 
-    python bench/structured_vs_vllm.py [--rounds 2] [--systems epd vllm vllm-guidance]
+    python bench/structured_vs_vllm.py [--rounds 2] [--systems epd vllm vllm-compact ...]
 
 Goal: epd-serve's output tok/s at concurrency 64 with a JSON schema at least 1.2x vLLM's,
 and its valid-output rate at least as high.
@@ -16,9 +16,12 @@ best round is reported, with the ratio of epd-serve's to each vLLM's. Valid mean
 text parses and fits the schema (``structured_outputs.fits``).
 
 Systems: ``epd`` (``epd up --aggregated``, its default grammar backend), ``epd-xgrammar``
-(``--structured-outputs-backend xgrammar``), ``vllm`` (its default ``auto``: xgrammar for
-a schema xgrammar supports, else llguidance; the script asks vLLM which) and
-``vllm-guidance`` (``--structured-outputs-config '{"backend": "guidance"}'``).
+(``--structured-outputs-backend xgrammar``), ``vllm`` as a user starts it (``auto``:
+xgrammar for a schema xgrammar supports, else llguidance; the script asks vLLM which),
+and vLLM with ``--structured-outputs-config`` set (``VLLM_VARIANTS``). vLLM's default
+lets JSON have any whitespace, which a weak model can write until ``max_tokens``
+(epd-serve bounds it to one optional space); ``disable_any_whitespace`` (which needs a
+named backend) makes its JSON compact.
 """
 
 from __future__ import annotations
@@ -47,13 +50,19 @@ from structured_outputs import MAX_TOKENS, SCHEMA, fits  # noqa: E402
 
 log = logging.getLogger("structured_vs_vllm")
 CASES = {"c64": (128, 64), "c1": (8, 1)}  # name -> (requests, concurrency)
-SYSTEMS = ("epd", "epd-xgrammar", "vllm", "vllm-guidance")
+VLLM_VARIANTS = {  # name -> --structured-outputs-config (None: vLLM's defaults)
+    "vllm": None,
+    "vllm-compact": {"backend": "xgrammar", "disable_any_whitespace": True},
+    "vllm-guidance": {"backend": "guidance"},
+    "vllm-guidance-compact": {"backend": "guidance", "disable_any_whitespace": True},
+}
+SYSTEMS = ("epd", "epd-xgrammar", *VLLM_VARIANTS)
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
 VLLM_AUTO = """import json, sys
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 try:
-    validate_xgrammar_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(json=json.loads(sys.argv[1]))))
+    validate_xgrammar_grammar(SamplingParams(structured_outputs=SO(json=json.loads(sys.argv[1]))))
     print("xgrammar")
 except Exception as e:
     print(f"guidance (xgrammar refused: {e})")
@@ -75,9 +84,9 @@ def make_systems(names: list[str], model: Path, peers: Path) -> list[servers.Sys
                 extra += ["--structured-outputs-backend", "xgrammar"]
             found.append(servers.epd_system(name, model, 1, True, extra))
             continue
-        vllm = servers.vllm_system(peers / "vllm", model, 1)
-        if vllm is not None and name == "vllm-guidance":
-            argv = [*vllm.argv, "--structured-outputs-config", '{"backend": "guidance"}']
+        vllm, config = servers.vllm_system(peers / "vllm", model, 1), VLLM_VARIANTS[name]
+        if vllm is not None and config is not None:
+            argv = [*vllm.argv, "--structured-outputs-config", json.dumps(config)]
             vllm = dataclasses.replace(vllm, name=name, argv=argv)
         found.append(vllm)
     return [s for s in found if s is not None]
@@ -175,7 +184,7 @@ def report(runs: dict[str, dict[str, list]]) -> dict[str, Any]:
     """Per case: each system's best round, epd's ratio to each vLLM, identical outputs."""
     out: dict[str, Any] = {}
     for case, by_system in runs.items():
-        best = {name: max(rs, key=lambda r: r["tok_s"]) for name, rs in by_system.items()}
+        best = {n: max(by_system[n], key=lambda r: r["tok_s"]) for n in sorted(by_system)}
         rows = {n: {k: v for k, v in b.items() if k != "texts"} for n, b in best.items()}
         for name, row in rows.items():
             row["valid_rate"] = round(row["valid"] / row["requests"], 3)
@@ -194,7 +203,8 @@ def report(runs: dict[str, dict[str, list]]) -> dict[str, Any]:
         print(f"\n== {case} ({CASES[case][0]} requests, concurrency {CASES[case][1]}) ==")
         for name, row in rows.items():
             print(
-                f"{name:14s} best {row['tok_s']:7.1f} tok/s  rounds {row['rounds_tok_s']}  "
+                f"{name:21s} best {row['tok_s']:6.1f} tok/s ({row['secs']:5.2f} s)  "
+                f"rounds {row['rounds_tok_s']}  "
                 f"tokens {row['output_tokens']}  valid {row['valid']}/{row['requests']}  "
                 f"finish {row['finish']}"
             )
@@ -205,7 +215,7 @@ def report(runs: dict[str, dict[str, list]]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["epd", "vllm"])
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["epd", "vllm", "vllm-compact"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--peers-dir", type=Path, default=Path("/tmp/peers"), help="peer venvs")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/epd-serve/peers")
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     model = bpe_checkpoint(args.cache_dir)
     systems = make_systems(args.systems, model, args.peers_dir)
     doc: dict[str, Any] = {"model": str(model), "schema": SCHEMA, "max_tokens": MAX_TOKENS}
-    if any(s.name == "vllm" for s in systems):
+    if any(s.name.startswith("vllm") for s in systems):
         doc["vllm_auto_backend"] = vllm_auto_backend(args.peers_dir)
         log.info("vLLM's auto backend for SCHEMA: %s", doc["vllm_auto_backend"])
     running: list[servers.Running] = []
@@ -240,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["systems"] = [{"name": s.name, "argv": s.argv} for s in systems]
     doc["results"] = report(runs)
     doc["runs"] = runs
-    print("vLLM:", doc.get("vllm_auto_backend"), doc["vllm_config"])
+    print("vLLM auto picks:", doc.get("vllm_auto_backend"), "| started with:", doc["vllm_config"])
     args.result_json.write_text(json.dumps(doc, indent=1) + "\n")
     log.info("results in %s", args.result_json)
     return 0
