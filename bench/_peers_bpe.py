@@ -11,7 +11,6 @@ shared checkpoint's own, linked, not copied: same vocabulary size, same model.
 
 from __future__ import annotations
 
-import shutil
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,18 +64,7 @@ def _save_tokenizer(out: Path) -> None:
 
 def bpe_checkpoint(cache: Path) -> Path:
     """``text_checkpoint``'s weights (linked) with a byte-level BPE tokenizer, built once."""
-    text = ckpt.text_checkpoint(cache)
-    out = cache / NAME
-    if (out / "tokenizer.json").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (tmp / name).symlink_to(text / name)
-    _save_tokenizer(tmp)
-    tmp.rename(out)
-    return out
+    return ckpt.with_tokenizer(cache, NAME, _save_tokenizer)
 
 
 if __name__ == "__main__":

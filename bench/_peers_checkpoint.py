@@ -87,17 +87,29 @@ def text_words_checkpoint(cache: Path) -> Path:
     """``text_checkpoint``'s weights (linked, not copied) with the demo's tokenizer."""
     import shutil
 
-    text, demo = text_checkpoint(cache), demo_dir()
-    out = cache / f"{TEXT_NAME}-words"
-    if (out / "model.safetensors").exists():
+    demo = demo_dir()
+
+    def tokenizer(folder: Path) -> None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(demo / name, folder / name)
+
+    return with_tokenizer(cache, f"{TEXT_NAME}-words", tokenizer)
+
+
+def with_tokenizer(cache: Path, name: str, write_tokenizer) -> Path:
+    """``text_checkpoint``'s weights (linked, not copied) in ``cache / name``, with the
+    tokenizer ``write_tokenizer(folder)`` writes there; built once."""
+    import shutil
+
+    text, out = text_checkpoint(cache), cache / name
+    if (out / "tokenizer.json").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (tmp / name).symlink_to(text / name)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(demo / name, tmp / name)
+    for weights in ("config.json", "generation_config.json", "model.safetensors"):
+        (tmp / weights).symlink_to(text / weights)
+    write_tokenizer(tmp)
     tmp.rename(out)
     return out
 

@@ -132,13 +132,7 @@ def after_text(end: str, body: str) -> str:
 def _structural_tag(value: dict | str) -> dict:
     """vLLM's structural tag, checked: ``{"structures": [{"begin", "schema", "end"}],
     "triggers": [...]}``, each ``begin`` starting with a trigger."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError("structured_outputs.structural_tag must be an object")
+    value = _object(value, "structural_tag")
     structures, triggers = value.get("structures"), value.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise ValueError("structured_outputs.structural_tag needs a non-empty 'structures'")
@@ -168,16 +162,23 @@ def _tags_grammar(tag: dict) -> str:
     return StructTag.to_grammar(tags, assume_special=False)
 
 
-def _check_schema(schema: dict | str) -> None:
-    if isinstance(schema, str):
-        if len(schema.encode()) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"structured_outputs.json is larger than {MAX_SCHEMA_BYTES} bytes")
+def _object(value: Any, field: str) -> dict:
+    """``value`` as a JSON object (JSON text is parsed); ValueError names the field."""
+    if isinstance(value, str):
         try:
-            schema = json.loads(schema)
+            value = json.loads(value)
         except ValueError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
-    if not isinstance(schema, dict):
-        raise ValueError("structured_outputs.json must be a JSON schema object")
+            raise ValueError(f"structured_outputs.{field} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        what = "a JSON schema object" if field == "json" else "an object"
+        raise ValueError(f"structured_outputs.{field} must be {what}")
+    return value
+
+
+def _check_schema(schema: dict | str) -> None:
+    if isinstance(schema, str) and len(schema.encode()) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"structured_outputs.json is larger than {MAX_SCHEMA_BYTES} bytes")
+    schema = _object(schema, "json")
     if len(json.dumps(schema).encode()) > MAX_SCHEMA_BYTES:
         raise ValueError(f"structured_outputs.json is larger than {MAX_SCHEMA_BYTES} bytes")
     if _depth(schema) > MAX_SCHEMA_DEPTH:

@@ -14,18 +14,10 @@ from services import LLM, SamplingParams
 from services.engine.spec.config import SpeculativeConfig
 from services.engine.spec.decoding import SpecDecoding
 from tests.helpers.checkpoints import make_byte_bpe_checkpoint
+from tests.helpers.schemas import RECORD
 from tests.helpers.spec_proposers import OracleProposer, RecordingProposer, WrongProposer
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "color": {"enum": ["red", "blue"]},
-    },
-    "required": ["name", "n", "color"],
-    "additionalProperties": False,
-}
+SCHEMA = RECORD
 ASKS = [{"json": SCHEMA}, {"regex": r"[a-c]{3}-[0-9]{2}"}, None]
 PROMPTS = ["first", "second one", "the third"]
 

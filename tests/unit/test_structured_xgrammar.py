@@ -14,17 +14,9 @@ from services import LLM, SamplingParams
 from services.structured.outputs import StructuredOutputs
 from services.structured.xgrammar_backend import XGrammarMatcher
 from tests.helpers.checkpoints import make_byte_bpe_checkpoint, make_sentencepiece_checkpoint
+from tests.helpers.schemas import RECORD
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "color": {"enum": ["red", "blue"]},
-    },
-    "required": ["name", "n", "color"],
-    "additionalProperties": False,
-}
+SCHEMA = RECORD
 LARK = '%llguidance {}\nstart: "<" WORD ">"\nWORD: /[a-z]{2,5}/'
 
 
