@@ -6,6 +6,7 @@ import time
 
 from starlette.responses import JSONResponse, Response
 
+from gateway.chat_output import ChatOptions
 from gateway.core import GatewayCore
 from gateway.prepare import InvalidRequest
 from gateway.rest.chat import resolve_messages
@@ -47,7 +48,9 @@ async def tokenize(core: GatewayCore, req: TokenizeRequest, headers: dict) -> Re
     tok = core.tokenizer
     if req.messages is not None:
         messages = await resolve_messages(None, req.messages)
-        text, _ = render_chat(tok, messages, req.add_generation_prompt)
+        options = ChatOptions.of(req.tools, "none", template_kwargs=req.chat_template_kwargs)
+        kwargs = {"tools": options.tools, **options.template_kwargs}
+        text, _ = render_chat(tok, messages, req.add_generation_prompt, **kwargs)
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)

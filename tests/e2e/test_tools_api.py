@@ -154,6 +154,17 @@ def test_a_tool_result_round_trip(client):
     assert out.usage.prompt_tokens > first.usage.prompt_tokens  # the result was rendered
 
 
+def test_tokenize_renders_tools_and_template_keywords(served):
+    running, client = served
+    body = {"model": client.models.list().data[0].id, "messages": ASK}
+    url = f"{running.base_url}/tokenize"
+    plain = httpx.post(url, json=body).json()["count"]
+    tools = httpx.post(url, json={**body, "tools": TOOLS}).json()["count"]
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    off = httpx.post(url, json={**body, **kwargs}).json()["count"]
+    assert tools > plain and off != plain
+
+
 def test_reasoning_is_split_and_bounded(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
     out = _chat(
