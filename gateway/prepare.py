@@ -63,6 +63,13 @@ class PreparedRequest:
 CACHE_MODES = ("default", "no-cache", "no-store", "bypass")
 
 
+def _check_cache_mode(mode: str) -> None:
+    if mode not in CACHE_MODES:
+        raise InvalidRequest(
+            f"x-epd-cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}", "x-epd-cache"
+        )
+
+
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
@@ -129,22 +136,14 @@ class RequestPreparer:
         checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
         (bad values), ModelNotFoundError."""
         self.check_model(model)
-        if cache_mode not in CACHE_MODES:
-            raise InvalidRequest(
-                f"x-epd-cache must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}",
-                "x-epd-cache",
-            )
+        _check_cache_mode(cache_mode)
         images = list(images)
-        parsers = ChatParsers()
+        parsers, chat_key = ChatParsers(), ""
         if messages is not None:
             chat = chat or ChatOptions()
-            prompt, chat_images = render_chat(
-                self.tokenizer, messages, tools=chat.tools, **chat.template_kwargs
-            )
+            prompt, chat_images, params, parsers = self._chat(messages, chat, params)
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            images = chat_images + images
-            params = dict(params)
-            parsers = self.outputs.plan(chat, params, prompt)
+            images, chat_key = chat_images + images, chat.key()
         elif prompt is None and prompt_token_ids is None:
             raise InvalidRequest(
                 "the request has no input: send chat messages, a prompt or prompt_token_ids"
@@ -170,9 +169,18 @@ class RequestPreparer:
             tenant=tenant,
             cache_mode=cache_mode,
             session_key=session_key,
-            chat_key=chat.key() if messages is not None else "",
+            chat_key=chat_key,
             parsers=parsers,
         )
+
+    def _chat(self, messages: list[dict], chat: ChatOptions, params: dict):
+        """The chat template applied (with the request's tools and keywords); the
+        params with what the engine must enforce; the parsers that read the answer."""
+        prompt, images = render_chat(
+            self.tokenizer, messages, tools=chat.tools, **chat.template_kwargs
+        )
+        params = dict(params)
+        return prompt, images, params, self.outputs.plan(chat, params, prompt)
 
     def _check_images(self, images: list) -> None:
         lim = self.limits
