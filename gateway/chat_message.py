@@ -36,9 +36,9 @@ class ChatParsers:
             msg["reasoning"] = msg["reasoning_content"] = reasoning
         if self.tools is None or content is None:
             return msg, False
-        content, calls = self.tools.parse(content)
+        content, calls = self.tools.parse(content)  # stripped, as the stream sends it
+        msg["content"] = content or None
         if calls:
-            msg["content"] = content or None
             msg["tool_calls"] = [_tool_call(None, c.name, c.arguments) for c in calls]
         return msg, bool(calls)
 

@@ -150,7 +150,7 @@ def test_a_tool_result_round_trip(client):
         {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
     ]
     out = _chat(client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=6)
-    assert out.choices[0].message.content is not None
+    assert out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens > first.usage.prompt_tokens  # the result was rendered
 
 
