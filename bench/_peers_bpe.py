@@ -36,7 +36,6 @@ def _stdlib_sources(limit: int = CORPUS_BYTES) -> Iterator[str]:
 
 def _save_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,15 +50,7 @@ def _save_tokenizer(out: Path) -> None:
     backend.train_from_iterator(_stdlib_sources(), trainer=trainer)
     if backend.get_vocab_size() != ckpt.VOCAB:
         raise RuntimeError(f"BPE trained {backend.get_vocab_size()} pieces, not {ckpt.VOCAB}")
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        model_max_length=2048,
-    )
-    tok.chat_template = ckpt.CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
+    ckpt.save_fast_tokenizer(backend, out)
 
 
 def bpe_checkpoint(cache: Path) -> Path:

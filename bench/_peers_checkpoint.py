@@ -37,11 +37,18 @@ def piece(i: int) -> str:
 
 def _save_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {piece(i): i for i in range(VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    save_fast_tokenizer(backend, out)
+
+
+def save_fast_tokenizer(backend, out: Path) -> None:
+    """``backend`` (a ``tokenizers.Tokenizer``) saved as the peers' tokenizer: their
+    special tokens and trivial chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         unk_token="<unk>",
