@@ -26,6 +26,7 @@ from services.wire import (
     logprobs_from_proto,
     logprobs_to_proto,
     params_from_proto,
+    spans_from_proto,
 )
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class DecodeService(EngineService):
                     kv,
                     first_lp,
                     aux,
+                    spans_from_proto(req.image_spans),
                 )
             )
         except (ValueError, MemoryError) as e:

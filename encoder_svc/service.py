@@ -30,7 +30,13 @@ from services.embeddings.store import (
     embedding_key,
     pack_embedding,
 )
-from services.images import ImageError, ImagePreprocessor, decode_image, image_hash
+from services.images import (
+    ImageError,
+    ImagePreprocessor,
+    decode_image,
+    encode_batch,
+    image_hash,
+)
 from services.metrics import (
     EMBEDDING_CACHE_BYTES,
     EMBEDDING_CACHE_HITS,
@@ -42,6 +48,7 @@ from services.metrics import (
 )
 from services.microbatch import MicroBatcher
 from services.models.factory import load_vision_encoder
+from services.models.image_grid import ImageOptions
 from services.observability import bind_request
 from services.service import Service
 from services.singleflight import SingleFlight
@@ -67,7 +74,7 @@ class EncoderService(Service):
         # In a thread: the loop keeps answering signals while the weights load.
         self.model = await asyncio.to_thread(load_vision_encoder, self.engine_config)
         self.fingerprint = self.model_fingerprint = self.model.fingerprint
-        self.preprocessor = ImagePreprocessor(self.model.model_dir)
+        self.preprocessor = ImagePreprocessor(self.model.model_dir)  # with the tower's rule
         # Small passes on CPU: each finished pass is the progress a waiting gateway sees
         # (heartbeat steps), and a pass of 16 ViT-B/16 images takes ~10 s on one core,
         # for little more throughput than 4 at a time. A GPU batch is fast either way.
@@ -100,21 +107,21 @@ class EncoderService(Service):
         return Load(running=self.active, waiting=batcher.waiting, steps=batcher.batches)
 
     @torch.inference_mode()
-    def _encode_batch(self, images: list) -> list[torch.Tensor]:
-        """Worker thread: preprocess and encode a batch of PIL images -> one tensor each."""
+    def _encode_batch(self, items: list) -> list[torch.Tensor]:
+        """Worker thread: [(PIL image, ImageOptions)] preprocessed and encoded -> one
+        tensor each."""
         with ENCODE_SECONDS.time():
-            pixels = self.preprocessor(images).to(self.model.device)
-            out = self.model.model(pixels)
-        IMAGES_ENCODED.inc(len(images))
+            out = encode_batch(self.model.model, self.preprocessor, items, self.model.device)
+        IMAGES_ENCODED.inc(len(items))
         return [e.detach().to("cpu").contiguous() for e in out]
 
-    async def _encode_and_store(self, image, digest: str) -> tuple[torch.Tensor, bool]:
+    async def _encode_and_store(self, item, digest: str) -> tuple[torch.Tensor, bool]:
         emb = self.recent.get(digest)
         if emb is not None:
             # Encoded here (and its flight ended) while this request's image was still
             # arriving, after its cache lookup missed: the first encode's, not a second.
             return emb, await self.store.put(self.fingerprint, digest, emb)
-        emb = await self.batcher.submit(image)
+        emb = await self.batcher.submit(item)
         self.recent.put(digest, emb)
         stored = await self.store.put(self.fingerprint, digest, emb)
         if stored:
@@ -136,6 +143,12 @@ class EncoderService(Service):
             )
         try:
             reply.embedding_key = embedding_key(self.fingerprint, req.image_hash)
+            options = ImageOptions.of(
+                {
+                    "min_pixels": req.options.min_pixels or None,
+                    "max_pixels": req.options.max_pixels or None,
+                }
+            )
         except ValueError as e:
             return _failed(reply, _INVALID, str(e))
         emb = await self.store.get(self.fingerprint, req.image_hash)
@@ -155,7 +168,7 @@ class EncoderService(Service):
         if data is None:
             reply.need_image = True  # asked by hash alone, and not cached
             return reply
-        if image_hash(data, self.fingerprint) != req.image_hash:
+        if image_hash(data, self.fingerprint + options.key()) != req.image_hash:
             return _failed(reply, _INVALID, "image_hash does not match the image bytes")
         EMBEDDING_CACHE_MISSES.inc()
         if self.flight.inflight(req.image_hash):
@@ -163,7 +176,7 @@ class EncoderService(Service):
         try:
             image = await asyncio.to_thread(decode_image, data)
             emb, stored = await self.flight.do(
-                req.image_hash, lambda: self._encode_and_store(image, req.image_hash)
+                req.image_hash, lambda: self._encode_and_store((image, options), req.image_hash)
             )
         except ImageError as e:
             return _failed(reply, _INVALID, str(e))

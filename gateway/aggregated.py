@@ -24,6 +24,7 @@ from services.engine.parallel_sampling import child_request_id
 from services.images import decode_image
 from services.metrics import ENCODE_BATCH
 from services.microbatch import MicroBatcher
+from services.models.image_grid import ImageOptions
 from services.structured.outputs import StructuredOutputs
 
 
@@ -64,12 +65,12 @@ class AggregatedBackend:
         if self._store is not None:
             await self._store.close()
 
-    async def _encode(self, data: bytes) -> torch.Tensor:
+    async def _encode(self, data: bytes, options: ImageOptions) -> torch.Tensor:
         """The tower on one image, in a worker thread beside the engine's (its weights are
         read-only there), so the other requests' steps go on meanwhile; images that queue
         up during a pass share the next one."""
         image = await asyncio.to_thread(decode_image, data)
-        return await self.tower.submit(image)
+        return await self.tower.submit((image, options))
 
     async def _inputs(self, prep: PreparedRequest) -> tuple[dict, list[torch.Tensor] | None]:
         """The engine's prompt and the images' embeddings (None: a text-only request)."""
@@ -77,11 +78,10 @@ class AggregatedBackend:
             return {"prompt_token_ids": prep.prompt_token_ids}, None
         try:
             async with asyncio.timeout(max(0.0, prep.deadline - time.time())):
-                embeds = await self.images.embeddings(prep.images, prep.spans)
+                embeds = await self.images.embeddings(prep.images, prep.spans, prep.image_options)
         except TimeoutError as e:
             raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline") from e
-        hashes = [span.image_hash for span in prep.spans]
-        return {"prompt_token_ids": prep.prompt_token_ids, "image_hashes": hashes}, embeds
+        return {"prompt_token_ids": prep.prompt_token_ids, "image_spans": prep.spans}, embeds
 
     async def generate(self, prep: PreparedRequest) -> AsyncIterator[TokenEvent]:
         prompt, embeds = await self._inputs(prep)

@@ -114,6 +114,10 @@ class ImageEncoder:
             prefill_instance_id=prefill_id,
             embedding_transfer_id=f"emb-{uuid.uuid4().hex}",
             push_to_prefill=push,
+            options=bus_pb2.ImageOptions(
+                min_pixels=prep.image_options.min_pixels,
+                max_pixels=prep.image_options.max_pixels,
+            ),
         )
         if fits_inline(self.bus, len(image)):
             req.image = image

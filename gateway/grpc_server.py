@@ -176,6 +176,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 cache_mode=mode,
                 tenant=meta.get("x-epd-user", ""),
                 session_key=meta.get("x-session-id") or meta.get("x-epd-user", ""),
+                mm_processor_kwargs=_json_field(request.mm_processor_kwargs, "mm_processor_kwargs")
+                if request.mm_processor_kwargs
+                else None,
             )
         except Exception as e:
             await _abort_with_status(context, "", e)

@@ -25,12 +25,13 @@ from services.metrics import (
     EMBEDDING_CACHE_MISSES,
     EMBEDDING_SINGLEFLIGHT_JOINS,
 )
+from services.models.image_grid import ImageOptions
 from services.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
 
-# Encoded image file -> its embedding [tokens_per_image, hidden] (runs the tower).
-EncodeFn = Callable[[bytes], Awaitable[torch.Tensor]]
+# Encoded image file, processor settings -> its embedding [tokens, hidden] (the tower).
+EncodeFn = Callable[[bytes, ImageOptions], Awaitable[torch.Tensor]]
 
 
 class ImageEmbeddings:
@@ -55,13 +56,17 @@ class ImageEmbeddings:
         self.lru = EmbeddingLRU(lru_bytes)
         self.flight: SingleFlight[str, torch.Tensor] = SingleFlight()
 
-    async def embeddings(self, images: list[bytes], spans: list[ImageSpan]) -> list[torch.Tensor]:
+    async def embeddings(
+        self, images: list[bytes], spans: list[ImageSpan], options: ImageOptions
+    ) -> list[torch.Tensor]:
         """Each image's embedding, in prompt order (``spans`` name their hashes)."""
         if len(images) != len(spans):
             raise ValueError(f"{len(images)} images for {len(spans)} image spans")
-        return [await self.one(data, span) for data, span in zip(images, spans, strict=True)]
+        return [
+            await self.one(data, span, options) for data, span in zip(images, spans, strict=True)
+        ]
 
-    async def one(self, data: bytes, span: ImageSpan) -> torch.Tensor:
+    async def one(self, data: bytes, span: ImageSpan, options: ImageOptions) -> torch.Tensor:
         """One image: LRU, else (shared with concurrent callers) Redis, else the tower."""
         emb = self.lru.get(span.image_hash)
         if emb is not None:
@@ -69,15 +74,15 @@ class ImageEmbeddings:
             return emb
         if self.flight.inflight(span.image_hash):
             EMBEDDING_SINGLEFLIGHT_JOINS.inc()
-        return await self.flight.do(span.image_hash, lambda: self._load(data, span))
+        return await self.flight.do(span.image_hash, lambda: self._load(data, span, options))
 
-    async def _load(self, data: bytes, span: ImageSpan) -> torch.Tensor:
+    async def _load(self, data: bytes, span: ImageSpan, options: ImageOptions) -> torch.Tensor:
         emb = await self._stored(span)
         if emb is not None:
             EMBEDDING_CACHE_HITS.inc()
         else:
             EMBEDDING_CACHE_MISSES.inc()
-            emb = await self.encode(data)
+            emb = await self.encode(data, options)
             await self._store(span.image_hash, emb)
         self.lru.put(span.image_hash, emb)
         return emb

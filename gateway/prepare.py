@@ -14,6 +14,7 @@ from gateway.request_errors import InvalidRequest, ModelNotFoundError
 from services.chat import render_chat
 from services.engine.input_processor import InputProcessor
 from services.engine.request import ImageSpan
+from services.models.image_grid import ImageOptions
 from services.models.info import ModelInfo
 from services.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class PreparedRequest:
     params: SamplingParams
     images: list[bytes] = field(default_factory=list)  # encoded files, prompt order
     spans: list[ImageSpan] = field(default_factory=list)
+    # The request's mm_processor_kwargs (the images' hashes include them).
+    image_options: ImageOptions = field(default_factory=ImageOptions)
     prompt_text: str | None = None
     deadline: float = 0.0  # unix seconds
     cache_opt_out: bool = False
@@ -103,7 +106,7 @@ class RequestPreparer:
             info.max_model_len,
             info.vocab_size,
             info.image_token_id,
-            info.tokens_per_image,
+            info.image_grid,
             info.fingerprint,
             decode_images=False,
             max_image_pixels=self.limits.max_image_pixels,
@@ -131,6 +134,7 @@ class RequestPreparer:
         cache_mode: str = "default",
         session_key: str = "",
         chat: ChatOptions | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> PreparedRequest:
         """``params``: SamplingParams keywords the client set (unset ones take the
         checkpoint's generation_config.json defaults). Raises InvalidRequest, ValueError
@@ -150,7 +154,12 @@ class RequestPreparer:
             )
         self._check_images(images)
         processed = self.inputs.process(
-            {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "images": images},
+            {
+                "prompt": prompt,
+                "prompt_token_ids": prompt_token_ids,
+                "images": images,
+                "mm_processor_kwargs": mm_processor_kwargs,
+            },
             add_special_tokens,
         )
         sp = self._params(params, len(processed.token_ids))
@@ -161,6 +170,7 @@ class RequestPreparer:
             params=sp,
             images=raw,
             spans=processed.spans,
+            image_options=processed.options,
             prompt_text=prompt,
             deadline=time.time() + self.timeout_s,
             cache_opt_out=cache_opt_out,

@@ -22,7 +22,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine_service import EngineService
 from services.kv_connector import NatsKVSender
 from services.observability import bind_request
-from services.wire import error, params_from_proto
+from services.wire import error, params_from_proto, spans_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class PrefillService(EngineService):
             return error(bus_pb2.ERROR_CODE_NOT_FOUND, str(e))
         prompt = {
             "prompt_token_ids": list(req.prompt_token_ids),
-            "image_hashes": [s.image_hash for s in req.image_spans],
+            "image_spans": spans_from_proto(req.image_spans),
         }
         self.routes[rid] = req
         llm = self.engine.engine

@@ -9,8 +9,16 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from services.image_checks import MAX_IMAGE_PIXELS, ImageError, image_bytes, image_hash
+from services.models.image_grid import ImageOptions
 
-__all__ = ["ImageError", "ImagePreprocessor", "decode_image", "image_bytes", "image_hash"]
+__all__ = [
+    "ImageError",
+    "ImagePreprocessor",
+    "decode_image",
+    "encode_batch",
+    "image_bytes",
+    "image_hash",
+]
 
 
 def decode_image(data: bytes | Image.Image) -> Image.Image:
@@ -46,7 +54,32 @@ class ImagePreprocessor:
                 str(model_dir), local_files_only=True, use_fast=False
             )
 
-    def __call__(self, images: list[Image.Image]) -> torch.Tensor:
-        """[N] PIL images -> pixel values [N, C, H, W] fp32."""
-        out = self.processor(images=images, return_tensors="pt")
-        return out["pixel_values"].float()
+    def __call__(self, images: list[Image.Image], options: ImageOptions) -> dict:
+        """[N] PIL images -> the tower's inputs: ``pixel_values`` fp32 ([N, C, H, W], or
+        Qwen's [patches, C*T*P*P] with ``image_grid_thw`` [N, 3])."""
+        kwargs = {}
+        if not options.is_default:  # only processors with a pixel budget accept these
+            size = self.processor.size
+            kwargs["size"] = {
+                "shortest_edge": options.min_pixels or size.shortest_edge,
+                "longest_edge": options.max_pixels or size.longest_edge,
+            }
+        out = self.processor(images=images, return_tensors="pt", **kwargs)
+        inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        inputs["pixel_values"] = inputs["pixel_values"].float()
+        return inputs
+
+
+def encode_batch(model, preprocessor: ImagePreprocessor, items: list, device) -> list:
+    """``items`` [(PIL image, ImageOptions)] -> one embedding per image, in order: the
+    images that share options are preprocessed and run through the tower together."""
+    out: list = [None] * len(items)
+    groups: dict[ImageOptions, list[int]] = {}
+    for i, (_, options) in enumerate(items):
+        groups.setdefault(options, []).append(i)
+    for options, idx in groups.items():
+        inputs = preprocessor([items[i][0] for i in idx], options)
+        embeds = model.encode_images({k: v.to(device) for k, v in inputs.items()})
+        for i, emb in zip(idx, embeds, strict=True):
+            out[i] = emb
+    return out

@@ -165,6 +165,12 @@ def spans_to_proto(spans: list[ImageSpan], keys: dict[str, str]) -> list[bus_pb2
             length=s.length,
             image_hash=s.image_hash,
             embedding_key=keys.get(s.image_hash, ""),
+            grid=list(s.grid),
         )
         for s in spans
     ]
+
+
+def spans_from_proto(spans) -> list[ImageSpan]:
+    """Received spans (checked against the prompt by ``InputProcessor.check_spans``)."""
+    return [ImageSpan(s.offset, s.length, s.image_hash, tuple(s.grid)) for s in spans]

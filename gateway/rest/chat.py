@@ -94,6 +94,7 @@ async def chat_completion(
         session_key=call.session or req.user or "",
         constraint_param=constraint_param,
         chat=options,
+        mm_processor_kwargs=req.mm_processor_kwargs,
     )
     run = CompletionRun(core, [prep], ChatRenderer(core.tokenizer, req.logprobs, prep.parsers))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

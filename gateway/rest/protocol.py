@@ -168,6 +168,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's image processor settings per request (Qwen2.5-VL: min_pixels, max_pixels).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's bound on a reasoning model's thinking, in tokens (needs --reasoning-parser).
     thinking_token_budget: int | None = Field(None, ge=0)
     functions: list[Any] | None = None

@@ -69,7 +69,7 @@ class BlobRef(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "image", "image_hash", "deadline_unix_ms", "image_ref", "prefill_instance_id", "embedding_transfer_id", "push_to_prefill")
+    __slots__ = ("request_id", "model_fingerprint", "image", "image_hash", "deadline_unix_ms", "image_ref", "prefill_instance_id", "embedding_transfer_id", "push_to_prefill", "options")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class EncodeRequest(_message.Message):
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_TO_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     image: bytes
@@ -88,7 +89,16 @@ class EncodeRequest(_message.Message):
     prefill_instance_id: str
     embedding_transfer_id: str
     push_to_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., image: _Optional[bytes] = ..., image_hash: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., image_ref: _Optional[_Union[BlobRef, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ..., embedding_transfer_id: _Optional[str] = ..., push_to_prefill: _Optional[bool] = ...) -> None: ...
+    options: ImageOptions
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., image: _Optional[bytes] = ..., image_hash: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., image_ref: _Optional[_Union[BlobRef, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ..., embedding_transfer_id: _Optional[str] = ..., push_to_prefill: _Optional[bool] = ..., options: _Optional[_Union[ImageOptions, _Mapping]] = ...) -> None: ...
+
+class ImageOptions(_message.Message):
+    __slots__ = ("min_pixels", "max_pixels")
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
     __slots__ = ("image_hash", "embedding_key", "num_tokens", "error", "need_image", "embedding_ref")
@@ -107,18 +117,20 @@ class EncodeReply(_message.Message):
     def __init__(self, image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., need_image: _Optional[bool] = ..., embedding_ref: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
 
 class ImageSpan(_message.Message):
-    __slots__ = ("offset", "length", "image_hash", "embedding_key", "embedding_ref")
+    __slots__ = ("offset", "length", "image_hash", "embedding_key", "embedding_ref", "grid")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_KEY_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_REF_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
     image_hash: str
     embedding_key: str
     embedding_ref: BlobRef
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., embedding_ref: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., image_hash: _Optional[str] = ..., embedding_key: _Optional[str] = ..., embedding_ref: _Optional[_Union[BlobRef, _Mapping]] = ..., grid: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "gateway_id", "decode_instance_id", "prompt_token_ids", "image_spans", "sampling", "deadline_unix_ms", "eos_token_ids", "max_model_len", "output_token_ids")

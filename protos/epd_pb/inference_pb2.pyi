@@ -158,7 +158,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "chat", "prompt", "prompt_token_ids", "images", "sampling", "request_id", "cache_opt_out")
+    __slots__ = ("model", "chat", "prompt", "prompt_token_ids", "images", "sampling", "request_id", "cache_opt_out", "mm_processor_kwargs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_OPT_OUT_FIELD_NUMBER: _ClassVar[int]
+    MM_PROCESSOR_KWARGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     chat: Chat
     prompt: str
@@ -175,7 +176,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     request_id: str
     cache_opt_out: bool
-    def __init__(self, model: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_opt_out: _Optional[bool] = ...) -> None: ...
+    mm_processor_kwargs: str
+    def __init__(self, model: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_opt_out: _Optional[bool] = ..., mm_processor_kwargs: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "text", "logprob")

@@ -15,7 +15,8 @@ import torch
 
 from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling, child_request_id
-from services.engine.request import Request
+from services.engine.request import ImageSpan, Request
+from services.images import encode_batch
 from services.outputs import RequestOutput, TokenLogprobs
 from services.sampling_params import SamplingParams
 from services.structured.matcher import GrammarSet
@@ -93,7 +94,9 @@ class EngineRequests:
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         self._check_budget(len(p.token_ids) + len(resume))
-        embeds = image_embeds if image_embeds is not None else self.encode_images(p.images)
+        if image_embeds is None:
+            image_embeds = self.encode_images([(im, p.options) for im in p.images])
+        embeds = image_embeds
         if params.n == 1:
             return self._add(request_id, p, params, embeds, final_only, export_kv, resume=resume)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -158,9 +161,11 @@ class EngineRequests:
         kv_blocks: torch.Tensor,
         first_logprobs: TokenLogprobs | None = None,
         aux_hidden: torch.Tensor | None = None,
+        images: list[ImageSpan] = (),
     ) -> Request:
         """Decode role: continue a request whose KV was computed elsewhere (kv_import.py);
-        ``aux_hidden``: the draft head's rows of the last prompt position(s)."""
+        ``aux_hidden``: the draft head's rows of the last prompt position(s); ``images``:
+        the prompt's image spans."""
         return self.imports.adopt(
             request_id,
             token_ids,
@@ -170,6 +175,7 @@ class EngineRequests:
             kv_blocks,
             first_logprobs,
             aux_hidden,
+            images,
         )
 
     def reserve_import(self, request_id: str, num_tokens: int) -> bool:
@@ -191,12 +197,11 @@ class EngineRequests:
             raise ValueError(f"prompt needs {blocks} KV blocks; the pool has {self.kv.num_blocks}")
 
     @torch.inference_mode()
-    def encode_images(self, images: list) -> list[torch.Tensor]:
-        """PIL images -> one embedding tensor [tokens_per_image, hidden] per image."""
-        if not images:
+    def encode_images(self, items: list) -> list[torch.Tensor]:
+        """[(PIL image, ImageOptions)] -> one embedding [image tokens, hidden] per image."""
+        if not items:
             return []
-        pixels = self.image_preprocessor(images).to(self.loaded.device)
-        return list(self.model.encode_images(pixels))
+        return encode_batch(self.model, self.image_preprocessor, items, self.loaded.device)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (every choice of an n > 1 one) or one choice (its child id)."""

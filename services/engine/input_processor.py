@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.engine.request import ImageSpan
 from services.image_checks import MAX_IMAGE_PIXELS, image_hash, probe_image
+from services.models.image_grid import FixedGrid, ImageGrid, ImageOptions, Placement
 
 
 @dataclass
@@ -14,13 +15,15 @@ class ProcessedPrompt:
     token_ids: list[int]
     images: list = field(default_factory=list)  # decoded PIL images, in prompt order
     spans: list[ImageSpan] = field(default_factory=list)
+    options: ImageOptions = field(default_factory=ImageOptions)
 
 
 class InputProcessor:
     """Turns a vLLM-style prompt into checked token ids and image spans.
 
     ``decode_images=False`` (the gateway) checks image headers only and leaves the
-    decode to the encoder; ``images`` of the result is then empty.
+    decode to the encoder; ``images`` of the result is then empty. ``grid`` says how
+    many tokens each image takes (services/models/image_grid.py).
     """
 
     def __init__(
@@ -29,7 +32,7 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         image_token_id=None,
-        tokens_per_image: int = 0,
+        grid: ImageGrid | None = None,
         fingerprint: str = "",
         decode_images: bool = True,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
@@ -40,7 +43,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
-        self.tokens_per_image = tokens_per_image
+        self.grid = grid or FixedGrid(0)
         self.fingerprint = fingerprint
 
     def process(self, prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
@@ -53,21 +56,43 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt is empty")
         self.check_ids(ids, "prompt")
-        # Services that already hold the embeddings pass image hashes instead of images.
-        hashes = prompt.get("image_hashes") if isinstance(prompt, dict) else None
-        ids, spans, images = self._expand_images(list(ids), raw_images, hashes)
+        extra = prompt if isinstance(prompt, dict) else {}
+        options = ImageOptions.of(extra.get("mm_processor_kwargs"))
+        if extra.get("image_spans") is not None:
+            # Services that already hold the embeddings pass the spans the gateway made.
+            ids, spans, images = list(ids), self.check_spans(ids, extra["image_spans"]), []
+        else:
+            ids, spans, images = self._expand_images(list(ids), raw_images, options)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens, which leaves no room to generate in the "
                 f"model's context of {self.max_model_len} tokens"
             )
-        return ProcessedPrompt(text, ids, images, spans)
+        return ProcessedPrompt(text, ids, images, spans, options)
 
     def check_ids(self, ids: list, what: str) -> list[int]:
         """``ids`` if every one is a token of this vocabulary, else ValueError."""
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
             raise ValueError(f"{what} token ids must be integers in [0, {self.vocab_size})")
         return list(ids)
+
+    def check_spans(self, ids: list[int], spans: list[ImageSpan]) -> list[ImageSpan]:
+        """Spans received from another service, if they cover exactly the prompt's image
+        placeholders, in order, each shaped as this model shapes an image."""
+        tid, end = self.image_token_id, 0
+        if spans and tid is None:
+            raise ValueError("this model does not accept images")
+        for s in spans:
+            if s.offset < end or s.length <= 0 or s.offset + s.length > len(ids):
+                raise ValueError("image spans overlap or fall outside the prompt")
+            if any(t != tid for t in ids[s.offset : s.offset + s.length]):
+                raise ValueError("an image span covers tokens that are not image placeholders")
+            if not self.grid.check(s.length, tuple(s.grid)):
+                raise ValueError(f"an image span of {s.length} tokens (grid {s.grid}) is malformed")
+            end = s.offset + s.length
+        if tid is not None and ids.count(tid) != sum(s.length for s in spans):
+            raise ValueError("the prompt has image placeholders no image span covers")
+        return list(spans)
 
     @staticmethod
     def _unpack(prompt):
@@ -86,54 +111,57 @@ class InputProcessor:
             return prompt["prompt"], None, list(images)
         raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids'")
 
-    def _expand_images(self, ids: list[int], raw_images: list, hashes: list[str] | None = None):
+    def _expand_images(self, ids: list[int], raw_images: list, options: ImageOptions):
         tid = self.image_token_id
         n_ph = ids.count(tid) if tid is not None else 0
-        n_img = len(hashes) if hashes is not None else len(raw_images)
-        if n_img and tid is None:
+        if raw_images and tid is None:
             raise ValueError("this model does not accept images")
-        if n_ph == 0 and not n_img:
+        if n_ph == 0 and not raw_images:
             return ids, [], []
-        n = self.tokens_per_image
-        expanded = n_ph == n_img * n and n > 1 and _runs_of(ids, tid, n)
-        if not expanded and n_ph != n_img:
-            raise ValueError(
-                f"the prompt has {n_ph} image placeholders but {n_img} images were given"
-            )
         images = []
-        if hashes is None:
-            if self.decode_images:
-                from services.images import decode_image  # torch: engine processes only
+        if self.decode_images:
+            from services.images import decode_image  # torch: engine processes only
 
-                images = [decode_image(im) for im in raw_images]
-            else:
-                for im in raw_images:
-                    probe_image(im, self.max_image_pixels)
-            hashes = [image_hash(im, self.fingerprint) for im in raw_images]
-        if expanded:
-            # Runs are multiples of n: every n-th placeholder starts an image.
-            offsets = [i for i, t in enumerate(ids) if t == tid][::n]
-            out = ids
+            images = [decode_image(im) for im in raw_images]
+            sizes = [(im.width, im.height) for im in images]
         else:
-            out, offsets = [], []
-            for t in ids:
-                if t == tid:
-                    offsets.append(len(out))
-                    out.extend([tid] * n)
-                else:
-                    out.append(t)
-        spans = [ImageSpan(o, n, h) for o, h in zip(offsets, hashes, strict=True)]
+            headers = [probe_image(im, self.max_image_pixels) for im in raw_images]
+            sizes = [(h.width, h.height) for h in headers]
+        places = [self.grid.place(w, h, options) for w, h in sizes]
+        out, offsets = _placed(ids, tid, places)
+        key = self.fingerprint + options.key()
+        spans = [
+            ImageSpan(o, p.tokens, image_hash(im, key), p.grid)
+            for o, p, im in zip(offsets, places, raw_images, strict=True)
+        ]
         return out, spans, images
 
 
-def _runs_of(ids: list[int], tid: int, n: int) -> bool:
-    """True when the placeholder ids already come as runs of exactly n (pre-expanded)."""
-    run = 0
-    for t in ids + [None]:
-        if t == tid:
-            run += 1
-        elif run:
-            if run % n:
-                return False
-            run = 0
-    return True
+def _placed(ids: list[int], tid: int, places: list[Placement]) -> tuple[list[int], list[int]]:
+    """(ids with each image's placeholder expanded to its tokens, each image's offset).
+    A prompt whose placeholders already come expanded (token ids from /tokenize or a
+    migration) is taken as it is, if each image's tokens sit together."""
+    n_ph, total = ids.count(tid), sum(p.tokens for p in places)
+    if n_ph == len(places):
+        out, offsets, k = [], [], 0
+        for t in ids:
+            if t == tid:
+                offsets.append(len(out))
+                out.extend([tid] * places[k].tokens)
+                k += 1
+            else:
+                out.append(t)
+        return out, offsets
+    if n_ph == total:
+        offsets, i = [], 0
+        for p in places:
+            while ids[i] != tid:
+                i += 1
+            if ids[i : i + p.tokens] != [tid] * p.tokens:
+                raise ValueError("expanded image placeholders do not match the images' sizes")
+            offsets.append(i)
+            i += p.tokens
+        return ids, offsets
+    raise ValueError(
+        f"the prompt has {n_ph} image placeholders but {len(places)} images were given"
+    )

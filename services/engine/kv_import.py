@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.output_processor import RequestState
-from services.engine.request import Request
+from services.engine.request import ImageSpan, Request
 from services.outputs import TokenLogprobs
 from services.sampling_params import SamplingParams
 
@@ -59,12 +59,14 @@ class KVImports:
         kv_blocks: torch.Tensor,
         first_logprobs: TokenLogprobs | None = None,
         aux_hidden: torch.Tensor | None = None,
+        images: list[ImageSpan] = (),
     ) -> Request:
         """Continue a request: ``token_ids`` (prompt, then tokens generated before a
         migration) have their KV in ``kv_blocks`` [2, layers, n, block_size, kv_heads,
         head_dim]; ``first_token`` was sampled after them. Reserves first when
         ``reserve`` was not called (MemoryError without room). ``aux_hidden`` [m, A]:
-        a draft head's rows of the last m of ``token_ids`` (ignored without one)."""
+        a draft head's rows of the last m of ``token_ids`` (ignored without one).
+        ``images``: the prompt's image spans (M-RoPE positions follow them)."""
         aux_hidden = self._check_aux(aux_hidden, len(token_ids))
         eng = self.engine
         if params.n > 1:
@@ -72,18 +74,21 @@ class KVImports:
         if not 0 < num_prompt_tokens <= len(token_ids):
             raise ValueError(f"num_prompt_tokens {num_prompt_tokens} of {len(token_ids)} tokens")
         eng.inputs.check_ids([*token_ids, first_token], "imported")
+        images = eng.inputs.check_spans(token_ids[:num_prompt_tokens], list(images))
         if request_id not in self.reserved and not self.reserve(request_id, len(token_ids)):
             raise MemoryError("no free KV blocks for the imported request")
         holder = self.reserved.pop(request_id)
         try:
             req = self._adopt(
-                holder, token_ids, num_prompt_tokens, first_token, params, kv_blocks, first_logprobs
+                holder, token_ids, num_prompt_tokens, first_token, params, kv_blocks, images
             )
         except BaseException:
             eng.block_manager.free(holder)
             raise
         if aux_hidden is not None:
             eng.runner.aux_rows[request_id] = [aux_hidden]
+        eng.states[request_id].append(int(first_token), first_logprobs)
+        eng.states[request_id].sent_tokens = len(eng.states[request_id].token_ids)
         return req
 
     def _check_aux(self, rows: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
@@ -99,7 +104,7 @@ class KVImports:
         return rows.to(device=self.engine.loaded.device, dtype=self.engine.loaded.dtype)
 
     def _adopt(
-        self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks, first_logprobs
+        self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks, images
     ) -> Request:
         eng, bs = self.engine, self.engine.config.block_size
         expected = (
@@ -120,7 +125,7 @@ class KVImports:
             list(token_ids[:num_prompt]),
             params,
             eng.eos_token_ids,
-            [],
+            images,
             time.monotonic(),
             eng.max_model_len,
         )
@@ -137,8 +142,6 @@ class KVImports:
             raise
         state = RequestState(rid, None, list(token_ids[:num_prompt]), params, eng.tokenizer)
         state.resume(token_ids[num_prompt:])
-        state.append(int(first_token), first_logprobs)
-        state.sent_tokens = len(state.token_ids)
         eng.states[rid] = state
         eng.runner.add_request(req, params.seed if params.seed is not None else 0, [])
         return req

@@ -85,8 +85,8 @@ class LLMEngine(EngineRequests):
             self.tokenizer,
             lm.max_model_len,
             lm.text_config.vocab_size,
-            getattr(lm.model, "image_token_id", None),
-            getattr(lm.model, "tokens_per_image", 0),
+            lm.info.image_token_id if self.multimodal else None,
+            lm.info.image_grid,
             lm.fingerprint,
         )
         self.states: dict[str, RequestState] = {}

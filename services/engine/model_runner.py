@@ -20,6 +20,7 @@ from services.engine.step_meta import (
 from services.engine.thinking import forced_token
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
+from services.models.mrope import rope_positions
 from services.outputs import TokenLogprobs
 from services.structured.matcher import apply_masks, start_masks
 
@@ -37,6 +38,9 @@ class StepInputs:
     sampling: list[Request]  # the S requests that sample this step, in row order
     # Image embedding rows to place: (first row in the step, embeddings [n, hidden]).
     mm_rows: list[tuple[int, torch.Tensor]]
+    # M-RoPE models: rotary positions, [3, T] int64 when a row is an image token, else
+    # [T] (positions shifted past the images); None for every other model.
+    rope_positions: torch.Tensor | None = None
     # Speculative decoding: each sampling request's drafts (its out rows: 1 + k of them,
     # the last ones of its query), and (request id, first row, rows) of every request.
     drafts: list[list[int]] = field(default_factory=list)
@@ -73,6 +77,7 @@ class ModelRunner:
         # (captured only when set), and each request's rows not yet handed to it.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_rows: dict[str, list[torch.Tensor]] = {}
+        self.mrope = bool(getattr(model, "uses_mrope", False))
 
     def add_request(self, req: Request, seed: int, image_embeds: list[torch.Tensor]) -> None:
         self.seeds[req.request_id] = seed
@@ -94,7 +99,10 @@ class ModelRunner:
     def _image_rows(self, req: Request, start: int, end: int, row0: int):
         """Embedding rows of the request's images that fall in token range [start, end)."""
         rows = []
-        for span, emb in zip(req.images, self.mm_embeds.get(req.request_id, []), strict=True):
+        # A decode instance holds the spans (positions follow them) but not the embeddings:
+        # its imported KV already covers the prompt.
+        embeds = self.mm_embeds.get(req.request_id, ())
+        for span, emb in zip(req.images, embeds, strict=False):
             lo, hi = max(start, span.offset), min(end, span.offset + span.length)
             if lo < hi:
                 rows.append((row0 + lo - start, emb[lo - span.offset : hi - span.offset]))
@@ -104,6 +112,7 @@ class ModelRunner:
         ids, pos, slots, qlens, seqlens, tables = [], [], [], [], [], []
         logits_idx, sample_seqs, sampling, mm_rows, drafts, spans = [], [], [], [], [], []
         row_tables: list[list[int]] = []  # each row's block table (a verification's rows)
+        rope: list[list[int]] = [[], [], []]  # M-RoPE models' rotary positions
         bs = self.block_size
         for item in scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
@@ -117,6 +126,9 @@ class ModelRunner:
             tables.append(req.block_ids)
             row_tables.extend([req.block_ids] * n)
             spans.append((req.request_id, row0, n))
+            if self.mrope:
+                for axis, rows in zip(rope, rope_positions(req.images, start, n), strict=True):
+                    axis.extend(rows)
             if req.images:
                 mm_rows.extend(self._image_rows(req, start, start + n, row0))
             if start + n - k == req.num_tokens:  # the last known token (and drafts) sample
@@ -139,20 +151,23 @@ class ModelRunner:
             mm_rows=mm_rows,
             drafts=drafts,
             spans=spans,
+            rope_positions=self._rope_tensor(rope) if self.mrope else None,
         )
+
+    def _rope_tensor(self, rope: list[list[int]]) -> torch.Tensor:
+        if rope[0] == rope[1] == rope[2]:  # no image token in the step
+            return to_tensor(rope[0], torch.long, self.device)
+        return torch.tensor(rope, dtype=torch.long, device=self.device)
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of the out rows, and the aux rows of every row when asked for."""
         embeds = self.model.embed(step.input_ids)
         for row, emb in step.mm_rows:
             embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
+        pos = step.positions if step.rope_positions is None else step.rope_positions
         if not self.aux_layers:
-            return self.model(
-                step.positions, embeds, self.kv.layers, step.attn, step.out_rows
-            ), None
-        hidden, aux = self.model(
-            step.positions, embeds, self.kv.layers, step.attn, None, self.aux_layers
-        )
+            return self.model(pos, embeds, self.kv.layers, step.attn, step.out_rows), None
+        hidden, aux = self.model(pos, embeds, self.kv.layers, step.attn, None, self.aux_layers)
         if step.out_rows is not None:
             hidden = hidden.index_select(0, step.out_rows.rows)
         return hidden, aux
@@ -299,12 +314,13 @@ class ModelRunner:
 
     def _burst_loop(self, step: StepInputs, steps: int) -> torch.Tensor:
         tokens, pos, meta = step.input_ids, step.positions, step.attn
+        rope = pos if step.rope_positions is None else step.rope_positions  # [T]: decode
         out = []
         for s in range(steps):
             if s:
-                pos = pos + 1
+                pos, rope = pos + 1, rope + 1
                 meta = next_decode_meta(meta, pos, self.block_size)
-            hidden = self.model(pos, self.model.embed(tokens), self.kv.layers, meta, None)
+            hidden = self.model(rope, self.model.embed(tokens), self.kv.layers, meta, None)
             tokens = self.model.greedy_tokens(hidden)
             out.append(tokens)
         return torch.stack(out)

@@ -31,6 +31,9 @@ class ImageSpan:
     offset: int  # index of the first placeholder token in the prompt
     length: int  # number of placeholder tokens (= embedding rows)
     image_hash: str  # sha256 hex of the image bytes (+ preprocessing / model fingerprint)
+    # (t, h, w) of its tokens where the decoder's rotary positions follow the image's
+    # layout (M-RoPE: services/models/mrope.py); () otherwise.
+    grid: tuple[int, ...] = ()
 
 
 @dataclass

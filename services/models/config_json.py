@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "LlavaForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
     }
 )
 
@@ -33,6 +34,12 @@ _TEXT_DEFAULTS = {
     },
     "qwen2": {"max_position_embeddings": 32768, "vocab_size": 151936, "use_sliding_window": False},
     "qwen3": {"max_position_embeddings": 32768, "vocab_size": 151936, "use_sliding_window": False},
+    "qwen2_5_vl_text": {
+        "max_position_embeddings": 32768,
+        "vocab_size": 152064,
+        "use_sliding_window": False,
+        "eos_token_id": 151645,
+    },
 }
 _VISION_DEFAULTS = {
     "clip_vision_model": {"image_size": 224, "patch_size": 32},
@@ -41,6 +48,7 @@ _VISION_DEFAULTS = {
 _LLAVA_DEFAULTS = {"image_token_index": 32000, "vision_feature_select_strategy": "default"}
 # A llava config's sub-configs name their model type, or get these.
 _LLAVA_SUB_TYPES = {"text_config": "llama", "vision_config": "clip_vision_model"}
+_QWEN_VL_DEFAULTS = {"image_token_id": 151655}
 
 
 class UnsupportedModelError(CheckpointError):
@@ -55,7 +63,8 @@ class ConfigFacts:
     vocab_size: int
     eos_token_id: int | list[int] | None
     image_token_id: int | None  # None: no vision
-    tokens_per_image: int
+    tokens_per_image: int  # 0: it depends on the image (services/models/image_grid.py)
+    model_type: str = ""
 
 
 def read_facts(cfg: dict) -> ConfigFacts:
@@ -65,17 +74,24 @@ def read_facts(cfg: dict) -> ConfigFacts:
         raise UnsupportedModelError(
             f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    vision = cfg.get("model_type") == "llava" or "vision_config" in cfg
-    top = _llava(cfg) if vision else cfg
-    text = _with_defaults(top["text_config"] if vision else cfg, _TEXT_DEFAULTS, "text")
-    window = text.get("sliding_window")
-    if not text.get("use_sliding_window", True):
-        window = None
+    kind = cfg.get("model_type", "")
     image_id, per_image = None, 0
-    if vision:
+    if kind == "qwen2_5_vl":
+        # transformers 5 nests the decoder's fields; earlier checkpoints keep them on top.
+        text = {**cfg, **(cfg.get("text_config") or {}), "model_type": "qwen2_5_vl_text"}
+        text = _with_defaults(text, _TEXT_DEFAULTS, "text")
+        image_id = int({**_QWEN_VL_DEFAULTS, **cfg}["image_token_id"])
+    elif kind == "llava" or "vision_config" in cfg:
+        top = _llava(cfg)
+        text = _with_defaults(top["text_config"], _TEXT_DEFAULTS, "text")
         tid = top.get("image_token_id")
         image_id = int(tid if tid is not None else top["image_token_index"])
         per_image = tokens_per_image(cfg)
+    else:
+        text = _with_defaults(cfg, _TEXT_DEFAULTS, "text")
+    window = text.get("sliding_window")
+    if not text.get("use_sliding_window", True):
+        window = None
     return ConfigFacts(
         archs,
         int(text["max_position_embeddings"] or 2048),
@@ -84,6 +100,7 @@ def read_facts(cfg: dict) -> ConfigFacts:
         text.get("eos_token_id"),
         image_id,
         per_image,
+        kind,
     )
 
 

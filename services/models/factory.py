@@ -85,19 +85,19 @@ def load_model(config: EngineConfig, backend: Backend) -> LoadedModel:
 
 
 def load_vision_encoder(config: EngineConfig) -> LoadedModel:
-    """Only the vision tower + projector (the encoder service's model)."""
-    from services.models.llava import VisionEncoder
-
+    """Only the vision tower + projector (the encoder service's model): the model class's
+    ``encoder_class``, with ``encode_images`` as the whole model has it."""
     info = ModelInfo.load(config)
     if not info.vision:
         raise ValueError(f"model {info.model_id!r} has no vision tower")
+    cls = resolve(info.architectures).encoder_class
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    encoder = _build(lambda: VisionEncoder(info.hf_config), device, dtype)
+    encoder = _build(lambda: cls(info.hf_config), device, dtype)
     if config.load_format == "dummy":
         init_dummy(encoder, config.seed)
     else:
-        wanted = ("vision_tower.", "multi_modal_projector.")
+        wanted = cls.weight_prefixes
         encoder.load_weights(
             dict(iter_weights(info.model_dir, keep=lambda n: any(w in n for w in wanted)))
         )

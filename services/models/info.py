@@ -12,6 +12,7 @@ from services.models.checkpoint import CheckpointError, read_json
 from services.models.config_json import ConfigFacts, read_facts
 from services.models.demo import ensure_demo_model
 from services.models.fingerprint import checkpoint_fingerprint
+from services.models.image_grid import ImageGrid, read_grid
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ class ModelInfo:
     image_token_id: int | None
     tokens_per_image: int
     config_eos: int | list[int] | None = None  # eos_token_id of config.json
+    model_type: str = ""
+
+    @cached_property
+    def image_grid(self) -> ImageGrid | None:
+        """Tokens per image from its size (None: a text model)."""
+        if not self.vision:
+            return None
+        return read_grid(self.model_dir, self.model_type, self.tokens_per_image)
 
     @property
     def vision(self) -> bool:
@@ -124,4 +133,5 @@ class ModelInfo:
             facts.image_token_id,
             facts.tokens_per_image,
             facts.eos_token_id,
+            facts.model_type,
         )

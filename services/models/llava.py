@@ -54,6 +54,9 @@ def tokens_per_image(cfg) -> int:
 class VisionEncoder(nn.Module):
     """Vision tower + projector: pixel values -> one embedding row per image token."""
 
+    # The checkpoint's weights this part loads (the encoder service loads only these).
+    weight_prefixes = ("vision_tower.", "multi_modal_projector.")
+
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
@@ -81,6 +84,10 @@ class VisionEncoder(nn.Module):
             feats = [f[:, 1:] for f in feats]
         return self.multi_modal_projector(torch.cat(feats, dim=-1))
 
+    def encode_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The image processor's output -> one embedding [tokens, hidden] per image."""
+        return list(self(inputs["pixel_values"]))
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         vision = {
             _strip(n, _VISION_PREFIXES): t for n, t in weights.items() if _has(n, _VISION_PREFIXES)
@@ -99,6 +106,8 @@ class VisionEncoder(nn.Module):
 class LlavaForConditionalGeneration(nn.Module):
     """Decoder interface of ``LlamaForCausalLM`` plus ``encode_images``."""
 
+    encoder_class = VisionEncoder
+
     def __init__(self, cfg, backend: Backend, max_positions: int):
         super().__init__()
         self.config = cfg
@@ -115,8 +124,8 @@ class LlavaForConditionalGeneration(nn.Module):
     def tokens_per_image(self) -> int:
         return self.vision.tokens_per_image
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.vision(pixel_values)
+    def encode_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return self.vision.encode_images(inputs)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # The placeholder id may lie past the decoder's vocabulary; its rows are replaced.

@@ -12,6 +12,7 @@ from services.models.llama import (
     Qwen3ForCausalLM,
 )
 from services.models.llava import LlavaForConditionalGeneration
+from services.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +20,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

@@ -47,3 +47,16 @@ For each function call, return a json object with function name and arguments wi
 
 {% else %}<think>
 {% endif %}{% endif %}"""
+
+
+# Qwen2-VL's shape: each image a vision block the processor expands to its tokens.
+QWEN_VL = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

@@ -145,6 +145,74 @@ def make_llava_checkpoint(
     return out
 
 
+QWEN_VL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>"]
+QWEN_VL_SPECIALS += ["<|vision_end|>", "<|video_pad|>"]
+
+
+TINY_QWEN_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    window_size=56,
+    fullatt_block_indexes=[1],
+)
+
+
+def make_qwen2_5_vl_checkpoint(
+    root: Path,
+    seed: int = 0,
+    min_pixels: int = 28 * 28 * 2,
+    max_pixels: int = 28 * 28 * 24,
+    vision: dict | None = None,
+) -> Path:
+    """A tiny Qwen2.5-VL: a 2-block windowed ViT (one full-attention block), a Qwen2
+    decoder with M-RoPE, the PIL image processor with a small pixel budget (images of a
+    few dozen pixels take 2..24 tokens) and a Qwen-VL-shaped chat template. ``vision``:
+    the tower's shape instead of the tiny one (benchmarks give it real widths)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from tests.helpers.chat_templates import QWEN_VL
+
+    vision = vision or TINY_QWEN_VISION
+    shape = "-".join(str(vision[k]) for k in ("depth", "hidden_size", "window_size"))
+    out = root / f"qwen2_5_vl-{seed}-{min_pixels}-{max_pixels}-{shape}"
+    if (out / "config.json").exists():
+        return out
+    tok = _build_tokenizer(out)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIALS})
+    tok.chat_template = QWEN_VL
+    tok.save_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
+    text = _text_config("qwen2", len(tok), tok).to_dict()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    text["rope_parameters"]["mrope_section"] = [2, 3, 3]  # head_dim 16: 8 frequencies
+    cfg = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=dict(
+            out_hidden_size=text["hidden_size"],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            **vision,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    model.generation_config.eos_token_id = tok.sep_token_id
+    model.save_pretrained(str(out))
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(str(out))
+    return out
+
+
 def random_image(seed: int, size=(40, 30)) -> Image.Image:
     g = torch.Generator().manual_seed(seed)
     arr = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()

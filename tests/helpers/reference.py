@@ -8,19 +8,26 @@ import torch
 
 
 def load_hf(path: Path):
-    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+    from transformers import (
+        AutoModelForCausalLM,
+        LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     if "llava" in path.name:
         model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    elif "qwen2_5_vl" in path.name:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.eval()
 
 
 @torch.inference_mode()
-def hf_greedy(model, input_ids: list[int], max_new_tokens: int, pixel_values=None):
-    """-> (generated ids, top-5 raw logprobs per step as [(id, logprob)])."""
-    kwargs = {"pixel_values": pixel_values} if pixel_values is not None else {}
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int, pixel_values=None, **mm):
+    """-> (generated ids, top-5 raw logprobs per step as [(id, logprob)]); ``mm``: the
+    model's other image inputs (Qwen's image_grid_thw, mm_token_type_ids)."""
+    kwargs = {"pixel_values": pixel_values, **mm} if pixel_values is not None else {}
     out = model.generate(
         torch.tensor([input_ids]),
         max_new_tokens=max_new_tokens,

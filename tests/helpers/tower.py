@@ -25,6 +25,6 @@ class Tower:
         self._encode = backend.images.encode
         backend.images.encode = self
 
-    async def __call__(self, data: bytes) -> torch.Tensor:
+    async def __call__(self, data: bytes, options) -> torch.Tensor:
         self.passes += 1
-        return await self._encode(data)
+        return await self._encode(data, options)

@@ -115,15 +115,16 @@ async def test_an_image_encoded_while_another_request_for_it_waited_is_not_encod
     from PIL import Image
 
     from services.images import image_hash
+    from services.models.image_grid import ImageOptions
 
     disagg, _ = stacks
     enc = disagg.encoder
     data = png(11, (56, 48))
     digest = image_hash(data, enc.fingerprint)
-    image = Image.open(io.BytesIO(data)).convert("RGB")
+    item = (Image.open(io.BytesIO(data)).convert("RGB"), ImageOptions())
     before = IMAGES_ENCODED._value.get()
-    first, _ = await enc._encode_and_store(image, digest)
-    second, _ = await enc._encode_and_store(image, digest)
+    first, _ = await enc._encode_and_store(item, digest)
+    second, _ = await enc._encode_and_store(item, digest)
     assert IMAGES_ENCODED._value.get() - before == 1
     assert torch.equal(first, second)
 

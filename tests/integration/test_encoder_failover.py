@@ -1,6 +1,7 @@
 """An encoder killed while it holds an image: the image is encoded on another encoder and
 the request completes with the tokens of an undisturbed run. Encoders, prefill and decode
-run as `epd serve` processes (demo VLM); the gateway runs here."""
+run as `epd serve` processes (the demo LLaVA, and Qwen2.5-VL whose embedding's length
+follows the image); the gateway runs here."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from services.bus import subjects
 from services.config import EngineConfig
 from services.metrics import MIGRATIONS
 from services.models.info import ModelInfo
-from tests.helpers.checkpoints import random_image
+from tests.helpers.checkpoints import make_qwen2_5_vl_checkpoint, random_image
 from tests.helpers.fleet import ProcessFleet, fail_message, kill_the_holder
 from tests.integration.stack import service_config, start_gateway
 
@@ -35,11 +36,15 @@ def _request(seed: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(chat=pb.Chat(messages=[msg]), sampling=sp)
 
 
-async def test_an_encoder_killed_mid_encode_is_replaced(tmp_path, nats_server, redis_server):
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+async def test_an_encoder_killed_mid_encode_is_replaced(
+    tmp_path, nats_server, redis_server, family
+):
     demo = str(tmp_path / "demo")
-    engine = EngineConfig(model="demo", demo_dir=demo)
+    model = "demo" if family == "llava" else str(make_qwen2_5_vl_checkpoint(tmp_path))
+    engine = EngineConfig(model=model, demo_dir=demo)
     fleet = ProcessFleet(
-        "demo",
+        model,
         nats_server.url,
         redis_server.url,
         tmp_path,
@@ -47,7 +52,7 @@ async def test_an_encoder_killed_mid_encode_is_replaced(tmp_path, nats_server, r
     )
     gw = channel = None
     try:
-        await asyncio.to_thread(ModelInfo.load, engine)  # the demo checkpoint, before the children
+        await asyncio.to_thread(ModelInfo.load, engine)  # the demo is written before the children
         encoders = [fleet.spawn("encoder", f"e{i}") for i in range(2)]  # the CLI role name
         fleet.spawn(subjects.ROLE_PREFILL, "p0")
         fleet.spawn(subjects.ROLE_DECODE, "d0")

@@ -11,7 +11,11 @@ import pytest
 
 from services.models import config_json
 from services.models.config_json import read_facts
-from tests.helpers.checkpoints import make_llava_checkpoint, make_text_checkpoint
+from tests.helpers.checkpoints import (
+    make_llava_checkpoint,
+    make_qwen2_5_vl_checkpoint,
+    make_text_checkpoint,
+)
 
 
 def _autoconfig_facts(path):
@@ -25,13 +29,14 @@ def _autoconfig_facts(path):
     if not getattr(text, "use_sliding_window", True):
         window = None
     vision = getattr(cfg, "vision_config", None) is not None
+    dynamic = cfg.model_type == "qwen2_5_vl"  # tokens per image depend on the image
     return (
         text.max_position_embeddings,
         window,
         text.vocab_size,
         text.eos_token_id,
         image_token_id(cfg) if vision else None,
-        tokens_per_image(cfg) if vision else 0,
+        tokens_per_image(cfg) if vision and not dynamic else 0,
     )
 
 
@@ -53,10 +58,12 @@ def test_default_tables_are_transformers_defaults():
         LlamaConfig,
         LlavaConfig,
         MistralConfig,
+        Qwen2_5_VLConfig,
         Qwen2Config,
         Qwen3Config,
         SiglipVisionConfig,
     )
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
 
     classes = {
         "llama": LlamaConfig,
@@ -65,6 +72,7 @@ def test_default_tables_are_transformers_defaults():
         "qwen3": Qwen3Config,
         "clip_vision_model": CLIPVisionConfig,
         "siglip_vision_model": SiglipVisionConfig,
+        "qwen2_5_vl_text": Qwen2_5_VLTextConfig,
     }
     for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
         for kind, defaults in table.items():
@@ -75,6 +83,8 @@ def test_default_tables_are_transformers_defaults():
     assert llava.vision_feature_select_strategy == "default"
     assert llava.text_config.model_type == config_json._LLAVA_SUB_TYPES["text_config"]
     assert llava.vision_config.model_type == config_json._LLAVA_SUB_TYPES["vision_config"]
+    qwen_vl = Qwen2_5_VLConfig()
+    assert qwen_vl.image_token_id == config_json._QWEN_VL_DEFAULTS["image_token_id"]
 
 
 @pytest.mark.parametrize(
@@ -87,8 +97,18 @@ def test_default_tables_are_transformers_defaults():
         lambda r: make_llava_checkpoint(r),
         lambda r: make_llava_checkpoint(r, vision="siglip"),
         lambda r: make_llava_checkpoint(r, strategy="full"),
+        lambda r: make_qwen2_5_vl_checkpoint(r),
     ],
-    ids=["llama", "qwen2", "qwen3", "mistral", "llava-clip", "llava-siglip", "llava-full"],
+    ids=[
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "llava-clip",
+        "llava-siglip",
+        "llava-full",
+        "qwen2_5_vl",
+    ],
 )
 def test_saved_checkpoints_read_as_autoconfig_reads_them(tmp_path, make):
     path = make(tmp_path)
@@ -118,6 +138,21 @@ MINIMAL = {
         "vision_feature_select_strategy": "full",
         "text_config": {"model_type": "qwen2"},
         "vision_config": {"model_type": "siglip_vision_model"},
+    },
+    "qwen2_5_vl": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "vision_config": {},
+    },
+    # Written before transformers 5: the decoder's fields on top.
+    "qwen2_5_vl-flat": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "vocab_size": 151936,
+        "max_position_embeddings": 128000,
+        "eos_token_id": 151645,
+        "image_token_id": 151655,
+        "vision_config": {},
     },
 }
 

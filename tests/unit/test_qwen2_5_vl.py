@@ -1,0 +1,230 @@
+"""Qwen2.5-VL against transformers on a tiny random checkpoint: images of several sizes
+(so several token counts), several images in one prompt, multi-turn chat, chunked
+prefill through an image, the prefix cache over a shared image, processor options, and
+the multimodal rotary positions themselves; speculative decoding and a JSON schema
+over an image prompt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services import LLM, SamplingParams
+from services.engine.request import ImageSpan
+from services.engine.spec.config import SpeculativeConfig
+from services.engine.spec.decoding import SpecDecoding
+from services.models.mrope import rope_positions
+from tests.helpers.checkpoints import make_qwen2_5_vl_checkpoint, random_image
+from tests.helpers.reference import hf_greedy, load_hf
+from tests.helpers.schemas import RECORD
+from tests.helpers.spec_proposers import OracleProposer
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 12
+SIZES = [(60, 90), (120, 50), (33, 33), (200, 140)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("qwen-vl"))
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return load_hf(ckpt)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), block_size=4, num_kv_blocks=512)
+
+
+def _reference(ckpt, hf, text: str, images, max_pixels: int | None = None):
+    """(expanded prompt ids, transformers' greedy ids and top-5) for a rendered prompt."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    pad = hf.config.image_token_id
+    ids = tok.encode(text, add_special_tokens=False)
+    if not images:
+        return ids, hf_greedy(hf, ids, MAX_NEW)
+    proc = AutoImageProcessor.from_pretrained(str(ckpt), backend="pil")
+    kw = {}
+    if max_pixels:
+        kw["size"] = {"shortest_edge": proc.size.shortest_edge, "longest_edge": max_pixels}
+    inputs = proc(images=images, return_tensors="pt", **kw)
+    counts = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
+    expanded = [t for x in ids for t in ([x] * next(counts) if x == pad else [x])]
+    mm_types = (torch.tensor([expanded]) == pad).int()
+    ref = hf_greedy(
+        hf,
+        expanded,
+        MAX_NEW,
+        pixel_values=inputs["pixel_values"],
+        image_grid_thw=inputs["image_grid_thw"],
+        mm_token_type_ids=mm_types,
+    )
+    return expanded, ref
+
+
+def _render(ckpt, messages):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    plain = [
+        {
+            **m,
+            "content": [
+                {"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
+                for p in m["content"]
+            ],
+        }
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
+    return tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+
+
+def _user(*parts):
+    content = []
+    for p in parts:
+        content.append(
+            {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p}
+        )
+    return {"role": "user", "content": content}
+
+
+def _check(out, ref):
+    ids, top = ref
+    comp = out.outputs[0]
+    assert comp.token_ids == ids
+    for ours, theirs in zip(comp.logprobs, top, strict=False):
+        for tid, lp in theirs:
+            assert abs(ours[tid].logprob - lp) < 1e-3
+
+
+def _greedy():
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [_user("a question with no image")],
+        [_user(random_image(1, SIZES[0]), "what is in the picture")],
+        [_user("compare", random_image(2, SIZES[1]), "with", random_image(3, SIZES[3]))],
+        [
+            _user(random_image(4, SIZES[2]), "first look"),
+            {"role": "assistant", "content": "a small square"},
+            _user("and now this one", random_image(5, SIZES[0])),
+        ],
+    ],
+    ids=["text", "one-image", "two-sizes", "multi-turn"],
+)
+def test_chat_matches_transformers(ckpt, hf, llm, messages):
+    images = [
+        p["image"]
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    ]
+    expanded, ref = _reference(ckpt, hf, _render(ckpt, messages), images)
+    out = llm.chat(messages, _greedy())
+    assert out[0].prompt_token_ids == expanded
+    _check(out[0], ref)
+
+
+def test_image_token_counts_follow_the_image(ckpt, llm):
+    counts = []
+    for i, size in enumerate(SIZES):
+        out = llm.chat([_user(random_image(10 + i, size), "x")], SamplingParams(max_tokens=1))
+        counts.append(out[0].prompt_token_ids.count(llm.engine.inputs.image_token_id))
+    assert len(set(counts)) == len(SIZES), counts
+
+
+def test_chunked_prefill_splits_an_image_and_the_prefix_cache_shares_it(ckpt, hf):
+    img = random_image(20, SIZES[3])
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=512, max_num_batched_tokens=5)
+    first = [_user(img, "describe it")]
+    second = [_user(img, "describe it in other words")]
+    for messages in (first, second):
+        expanded, ref = _reference(ckpt, hf, _render(ckpt, messages), [img])
+        out = llm.chat(messages, _greedy())
+        assert out[0].prompt_token_ids == expanded
+        _check(out[0], ref)
+    assert out[0].num_cached_tokens >= 20  # the image's blocks came from the cache
+
+
+def test_max_pixels_changes_the_tokens_and_the_hash(ckpt, hf, llm):
+    img = random_image(30, (200, 140))
+    messages = [_user(img, "look")]
+    small = 28 * 28 * 6
+    expanded, ref = _reference(ckpt, hf, _render(ckpt, messages), [img], max_pixels=small)
+    ids = llm.engine.tokenizer.encode(_render(ckpt, messages), add_special_tokens=False)
+    prompt = {
+        "prompt_token_ids": ids,
+        "multi_modal_data": {"image": img},
+        "mm_processor_kwargs": {"max_pixels": small},
+    }
+    out = llm.generate(prompt, _greedy())
+    assert out[0].prompt_token_ids == expanded
+    _check(out[0], ref)
+    default = llm.engine.inputs.process({**prompt, "mm_processor_kwargs": None}, False)
+    sized = llm.engine.inputs.process(prompt, False)
+    assert default.spans[0].length > sized.spans[0].length
+    assert default.spans[0].image_hash != sized.spans[0].image_hash
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.engine.inputs.process({**prompt, "mm_processor_kwargs": {"max_pixels": -1}}, False)
+    with pytest.raises(ValueError, match="unsupported keys"):
+        llm.engine.inputs.process({**prompt, "mm_processor_kwargs": {"crop": 1}}, False)
+
+
+def test_rope_positions_are_transformers(hf):
+    pad = hf.config.image_token_id
+    spans = [ImageSpan(3, 6, "a", (1, 3, 2)), ImageSpan(11, 8, "b", (1, 2, 4))]
+    ids = [7] * 25
+    for s in spans:
+        ids[s.offset : s.offset + s.length] = [pad] * s.length
+    t = torch.tensor([ids])
+    grid = torch.tensor([[1, 6, 4], [1, 4, 8]])  # vision grids: merged, (1, 3, 2), (1, 2, 4)
+    ref, delta = hf.model.get_rope_index(t, (t == pad).int(), image_grid_thw=grid)
+    for start, n in ((0, 25), (5, 9), (19, 6)):
+        ours = rope_positions(spans, start, n)
+        assert ours == ref[:, 0, start : start + n].tolist()
+    after = rope_positions(spans, 30, 1)
+    assert after == [[30 + int(delta)]] * 3
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def _spec_llm(ckpt, proposer=None) -> LLM:
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=512, speculative_config=NGRAM)
+    if proposer is not None:
+        eng = llm.engine
+        eng.spec = SpecDecoding.build(
+            SpeculativeConfig.parse(NGRAM), eng.loaded, eng.runner, proposer
+        )
+    return llm
+
+
+def test_speculation_and_a_json_schema_over_images_change_no_token(ckpt, llm):
+    """Verification rows after an image sit at M-RoPE positions shifted past it: an
+    oracle's drafts (all accepted, so every step verifies several rows) and n-gram's
+    give the very tokens plain decoding gives, with and without a JSON schema."""
+    messages = [_user(random_image(40, SIZES[1]), "describe", random_image(41, SIZES[2]))]
+    asks = [None, {"json": RECORD}]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=a) for a in asks]
+    plain = [llm.chat(messages, p)[0] for p in params]
+    assert set(json.loads(plain[1].outputs[0].text)) == {"name", "n", "color"}
+    refs = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]
+    vocab = llm.engine.loaded.text_config.vocab_size
+    for spec in (_spec_llm(ckpt), _spec_llm(ckpt, OracleProposer(refs, vocab))):
+        for p, want in zip(params, plain, strict=True):
+            assert spec.chat(messages, p)[0].outputs[0].token_ids == want.outputs[0].token_ids
+        assert spec.engine.spec.stats.accepted_tokens > 0
