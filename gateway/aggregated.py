@@ -45,7 +45,7 @@ class AggregatedBackend:
         self.tower = MicroBatcher(engine.engine.encode_images, observe=ENCODE_BATCH.observe)
         self._store = EmbeddingStore.from_config(store) if store is not None else None
         self.images = ImageEmbeddings(
-            self._encode, self._store, lm.fingerprint, lm.text_config.hidden_size, lm.dtype
+            self._encode, self._store, lm.fingerprint, lm.image_embedding_width, lm.dtype
         )
 
     def refresh_metrics(self) -> None:

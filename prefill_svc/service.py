@@ -94,10 +94,10 @@ class PrefillService(EngineService):
 
     async def _embeddings(self, req: bus_pb2.PrefillRequest) -> list:
         """Each span's embedding (Redis, or a blob the encoder sent here), checked
-        against the model: rows = the span's placeholders, columns = its hidden size."""
+        against the model: rows = the span's placeholders, columns = its embedding width."""
         out = []
         llm = self.engine.engine
-        fingerprint, hidden = llm.loaded.fingerprint, llm.loaded.text_config.hidden_size
+        fingerprint, hidden = llm.loaded.fingerprint, llm.loaded.image_embedding_width
         for span in req.image_spans:
             if span.HasField("embedding_ref"):
                 emb = await self._pushed_embedding(req, span)

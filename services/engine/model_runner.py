@@ -162,12 +162,18 @@ class ModelRunner:
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of the out rows, and the aux rows of every row when asked for."""
         embeds = self.model.embed(step.input_ids)
+        width, extra = embeds.shape[1], []
         for row, emb in step.mm_rows:
-            embeds[row : row + emb.shape[0]] = emb.to(embeds.dtype)
+            embeds[row : row + emb.shape[0]] = emb[:, :width].to(embeds.dtype)
+            if emb.shape[1] > width:  # features for later layers (Qwen3-VL's DeepStack)
+                extra.append((row, emb[:, width:]))
+        kw = {"layer_adds": self._layer_adds(extra, width)} if extra else {}
         pos = step.positions if step.rope_positions is None else step.rope_positions
         if not self.aux_layers:
-            return self.model(pos, embeds, self.kv.layers, step.attn, step.out_rows), None
-        hidden, aux = self.model(pos, embeds, self.kv.layers, step.attn, None, self.aux_layers)
+            return self.model(pos, embeds, self.kv.layers, step.attn, step.out_rows, **kw), None
+        hidden, aux = self.model(
+            pos, embeds, self.kv.layers, step.attn, None, self.aux_layers, **kw
+        )
         if step.out_rows is not None:
             hidden = hidden.index_select(0, step.out_rows.rows)
         return hidden, aux
@@ -311,6 +317,12 @@ class ModelRunner:
         if tokens is None:
             tokens = self._burst_loop(step, steps)
         return dict(zip(ids, tokens.t().tolist(), strict=True))
+
+    def _layer_adds(self, extra: list[tuple[int, torch.Tensor]], width: int):
+        """(rows [N], values [L, N, width]) from each image run's (first row, [n, L*width])."""
+        rows = torch.cat([torch.arange(r, r + e.shape[0]) for r, e in extra]).to(self.device)
+        values = torch.cat([e for _, e in extra])
+        return rows, values.view(values.shape[0], -1, width).transpose(0, 1)
 
     def _burst_loop(self, step: StepInputs, steps: int) -> torch.Tensor:
         tokens, pos, meta = step.input_ids, step.positions, step.attn

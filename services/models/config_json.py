@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "LlavaForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
     }
 )
 
@@ -40,6 +41,7 @@ _TEXT_DEFAULTS = {
         "use_sliding_window": False,
         "eos_token_id": 151645,
     },
+    "qwen3_vl_text": {"max_position_embeddings": 128000, "vocab_size": 151936},
 }
 _VISION_DEFAULTS = {
     "clip_vision_model": {"image_size": 224, "patch_size": 32},
@@ -49,6 +51,8 @@ _LLAVA_DEFAULTS = {"image_token_index": 32000, "vision_feature_select_strategy":
 # A llava config's sub-configs name their model type, or get these.
 _LLAVA_SUB_TYPES = {"text_config": "llama", "vision_config": "clip_vision_model"}
 _QWEN_VL_DEFAULTS = {"image_token_id": 151655}
+# Qwen-VL model types (their image token counts follow the image) -> the decoder's type.
+QWEN_VL_TEXT_TYPES = {"qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text"}
 
 
 class UnsupportedModelError(CheckpointError):
@@ -76,9 +80,9 @@ def read_facts(cfg: dict) -> ConfigFacts:
         )
     kind = cfg.get("model_type", "")
     image_id, per_image = None, 0
-    if kind == "qwen2_5_vl":
+    if kind in QWEN_VL_TEXT_TYPES:
         # transformers 5 nests the decoder's fields; earlier checkpoints keep them on top.
-        text = {**cfg, **(cfg.get("text_config") or {}), "model_type": "qwen2_5_vl_text"}
+        text = {**cfg, **(cfg.get("text_config") or {}), "model_type": QWEN_VL_TEXT_TYPES[kind]}
         text = _with_defaults(text, _TEXT_DEFAULTS, "text")
         image_id = int({**_QWEN_VL_DEFAULTS, **cfg}["image_token_id"])
     elif kind == "llava" or "vision_config" in cfg:

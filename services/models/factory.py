@@ -51,6 +51,12 @@ class LoadedModel:
         return self.info.max_model_len
 
     @property
+    def image_embedding_width(self) -> int:
+        """Columns of an image's embedding: the decoder's hidden size, or more where the
+        model carries extra features per image token (Qwen3-VL's DeepStack)."""
+        return getattr(self.model, "image_embedding_width", self.text_config.hidden_size)
+
+    @property
     def fingerprint(self) -> str:
         """Same weights + preprocessing -> same name for cached embeddings on every host."""
         return self.info.fingerprint

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.models.config_json import QWEN_VL_TEXT_TYPES
+
 # Over this aspect ratio the Qwen processor refuses an image.
 MAX_ASPECT_RATIO = 200
 # mm_processor_kwargs a request may set, and their bounds (pixels of the resized image).
@@ -143,7 +145,7 @@ ImageGrid = FixedGrid | DynamicGrid
 def read_grid(model_dir: Path, model_type: str, tokens_per_image: int) -> ImageGrid:
     """The checkpoint's rule, from its processor's saved JSON (``preprocessor_config.json``
     or the ``image_processor`` inside ``processor_config.json``)."""
-    if model_type != "qwen2_5_vl":
+    if model_type not in QWEN_VL_TEXT_TYPES:
         return FixedGrid(tokens_per_image)
     proc = _processor_json(model_dir)
     size = proc.get("size") or {}

@@ -139,16 +139,19 @@ class DecoderModel(nn.Module):
         rope,
         keep: OutputRows | None = None,
         aux_layers: tuple[int, ...] = (),
+        layer_adds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         """Hidden states of every row, or of the ``keep`` rows only (see ``OutputRows``).
 
         With ``aux_layers`` (speculative decoding's draft heads, never with ``keep``):
         (hidden, aux) where aux [T, len(aux_layers) * H] holds the outputs of those
         layers (residual stream after the layer), concatenated in the order given.
+        ``layer_adds`` (rows [N], values [L, N, H]): added to those rows of the residual
+        stream after each of the first L layers (Qwen3-VL's deepstack image features).
         """
         if aux_layers and keep is not None:
             raise ValueError("aux hidden states are captured for every row (no keep)")
-        if keep is None and meta.is_decode_only:
+        if keep is None and meta.is_decode_only and layer_adds is None:
             out = self.backend.decode_stack(
                 self._stack(rope), positions, h, kv_caches, meta, aux_layers
             )
@@ -159,6 +162,8 @@ class DecoderModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(positions, h, residual, kv, meta, rope, keep if i == last else None)
+            if layer_adds is not None and i < layer_adds[1].shape[0]:
+                h = h.index_add(0, layer_adds[0], layer_adds[1][i].to(h.dtype))
             if i in aux_layers:  # the layer's output: its MLP output added to the residual
                 captured[i] = h + residual
         h, _ = self.backend.rms_norm(h, self.norm.weight, self.norm.eps, residual)

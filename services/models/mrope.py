@@ -47,11 +47,19 @@ def rope_positions(spans: Sequence[ImageSpan], start: int, n: int) -> list[list[
     return axes
 
 
-def section_axes(section: Sequence[int], half: int) -> torch.Tensor:
-    """[half] long: the axis (0 t, 1 h, 2 w) whose position drives each frequency."""
+def section_axes(section: Sequence[int], half: int, interleaved: bool = False) -> torch.Tensor:
+    """[half] long: the axis (0 t, 1 h, 2 w) whose position drives each frequency.
+    Qwen2.5-VL gives each axis a contiguous run of frequencies (``section`` long each);
+    Qwen3-VL (``interleaved``) cycles t, h, w from the first frequency on, h and w
+    for their first ``section[1]`` and ``section[2]`` turns, t for the rest."""
     if sum(section) != half:
         raise ValueError(f"mrope_section {list(section)} does not sum to head_dim / 2 = {half}")
-    return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    axes = torch.zeros(half, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
 
 
 def token_table(rope: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:

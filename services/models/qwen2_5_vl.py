@@ -31,21 +31,28 @@ class Qwen2_5_VisionEncoder(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
+        self.config = cfg
+        self.merge = cfg.vision_config.spatial_merge_size
+        self.visual = self._build(cfg.vision_config)
+
+    def _build(self, vision_config) -> nn.Module:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel,
         )
 
-        self.config = cfg
-        self.merge = cfg.vision_config.spatial_merge_size
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg.vision_config)
+        return Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config)
+
+    def _features(self, out) -> torch.Tensor:
+        """The tower's output -> the embedding rows of every image, in order."""
+        return out.pooler_output
 
     @torch.inference_mode()
     def encode_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The image processor's output (``pixel_values`` [patches, C*T*P*P],
-        ``image_grid_thw`` [N, 3]) -> one embedding [t*h*w / merge², hidden] per image."""
+        ``image_grid_thw`` [N, 3]) -> one embedding [t*h*w / merge², width] per image."""
         grid = inputs["image_grid_thw"]
         dtype = next(self.visual.parameters()).dtype
-        out = self.visual(inputs["pixel_values"].to(dtype), grid_thw=grid).pooler_output
+        out = self._features(self.visual(inputs["pixel_values"].to(dtype), grid_thw=grid))
         return list(out.split((grid.prod(-1) // self.merge**2).tolist()))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -63,19 +70,22 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     takes [3, T] rotary positions (``uses_mrope``) or [T] where every axis agrees."""
 
     encoder_class = Qwen2_5_VisionEncoder
+    decoder_class = Qwen2ForCausalLM
+    mrope_interleaved = False  # see section_axes
     uses_mrope = True
     supports_aux_hidden = True
 
     def __init__(self, cfg, backend: Backend, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.language_model = Qwen2ForCausalLM(cfg.text_config, backend, max_positions)
-        self.vision = Qwen2_5_VisionEncoder(cfg)
+        self.language_model = self.decoder_class(cfg.text_config, backend, max_positions)
+        self.vision = self.encoder_class(cfg)
         self.image_token_id = int(cfg.image_token_id)
         self.num_kv_heads = self.language_model.num_kv_heads
         self.head_dim = self.language_model.head_dim
         section = rope_parameters(cfg.text_config).get("mrope_section", [16, 24, 24])
-        self.register_buffer("axes", section_axes(section, self.head_dim // 2), False)
+        axes = section_axes(section, self.head_dim // 2, self.mrope_interleaved)
+        self.register_buffer("axes", axes, False)
 
     def encode_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return self.vision.encode_images(inputs)
@@ -83,13 +93,18 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed(input_ids)
 
-    def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None, aux_layers=()):
+    def forward(
+        self, positions, inputs_embeds, kv_caches, meta, keep=None, aux_layers=(), layer_adds=None
+    ):
+        """``layer_adds``: see DecoderModel.forward (Qwen3-VL's deepstack features)."""
         lm = self.language_model
         rope = lm.rope
         if positions.dim() == 2:  # image tokens in the step: a rotary row per token
             rope = token_table(rope, positions, self.axes)
             positions = torch.arange(positions.shape[1], device=positions.device)
-        return lm.model(positions, inputs_embeds, kv_caches, meta, rope, keep, aux_layers)
+        return lm.model(
+            positions, inputs_embeds, kv_caches, meta, rope, keep, aux_layers, layer_adds
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -13,6 +13,7 @@ from services.models.llama import (
 )
 from services.models.llava import LlavaForConditionalGeneration
 from services.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from services.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,6 +22,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 

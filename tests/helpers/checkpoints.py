@@ -149,14 +149,27 @@ QWEN_VL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_p
 QWEN_VL_SPECIALS += ["<|vision_end|>", "<|video_pad|>"]
 
 
-TINY_QWEN_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    window_size=56,
-    fullatt_block_indexes=[1],
-)
+TINY_QWEN_VISION = {
+    "qwen2_5_vl": dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    ),
+    # Learned positions on a 4x4 grid (resampled to each image); DeepStack features
+    # from both blocks, added after the decoder's first two layers (of three).
+    "qwen3_vl": dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    ),
+}
+_QWEN_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
 
 
 def make_qwen2_5_vl_checkpoint(
@@ -170,16 +183,27 @@ def make_qwen2_5_vl_checkpoint(
     decoder with M-RoPE, the PIL image processor with a small pixel budget (images of a
     few dozen pixels take 2..24 tokens) and a Qwen-VL-shaped chat template. ``vision``:
     the tower's shape instead of the tiny one (benchmarks give it real widths)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    return _make_qwen_vl(root, "qwen2_5_vl", seed, min_pixels, max_pixels, vision)
+
+
+def make_qwen3_vl_checkpoint(root: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3-VL: a 2-block ViT with 16-pixel patches and DeepStack features from
+    both blocks, a 3-layer Qwen3 decoder with interleaved M-RoPE, the same small pixel
+    budget in tokens (2..24) and chat template as the Qwen2.5-VL one."""
+    return _make_qwen_vl(root, "qwen3_vl", seed, 32 * 32 * 2, 32 * 32 * 24, None)
+
+
+def _make_qwen_vl(root, kind, seed, min_pixels, max_pixels, vision) -> Path:
+    from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     from tests.helpers.chat_templates import QWEN_VL
 
-    vision = vision or TINY_QWEN_VISION
-    shape = "-".join(str(vision[k]) for k in ("depth", "hidden_size", "window_size"))
-    out = root / f"qwen2_5_vl-{seed}-{min_pixels}-{max_pixels}-{shape}"
+    vision = vision or TINY_QWEN_VISION[kind]
+    shape = "-".join(str(vision[k]) for k in ("depth", "hidden_size"))
+    out = root / f"{kind}-{seed}-{min_pixels}-{max_pixels}-{shape}"
     if (out / "config.json").exists():
         return out
     tok = _build_tokenizer(out)
@@ -187,14 +211,21 @@ def make_qwen2_5_vl_checkpoint(
     tok.chat_template = QWEN_VL
     tok.save_pretrained(str(out))
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
-    text = _text_config("qwen2", len(tok), tok).to_dict()
+    decoder = "qwen2" if kind == "qwen2_5_vl" else "qwen3"
+    layers = 2 if kind == "qwen2_5_vl" else 3
+    text = _text_config(decoder, len(tok), tok, num_hidden_layers=layers).to_dict()
+    text["tie_word_embeddings"] = False
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     text["rope_parameters"]["mrope_section"] = [2, 3, 3]  # head_dim 16: 8 frequencies
-    cfg = Qwen2_5_VLConfig(
+    if kind == "qwen3_vl":
+        text["rope_parameters"]["mrope_interleaved"] = True
+    patch = _QWEN_PATCH[kind]
+    cfg = AutoConfig.for_model(
+        kind,
         text_config=text,
         vision_config=dict(
             out_hidden_size=text["hidden_size"],
-            patch_size=14,
+            patch_size=patch,
             spatial_merge_size=2,
             temporal_patch_size=2,
             **vision,
@@ -205,11 +236,14 @@ def make_qwen2_5_vl_checkpoint(
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model = AutoModelForImageTextToText.from_config(cfg)
     _randomize(model, seed)
     model.generation_config.eos_token_id = tok.sep_token_id
     model.save_pretrained(str(out))
-    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(str(out))
+    proc = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch, merge_size=2
+    )
+    proc.save_pretrained(str(out))
     return out
 
 

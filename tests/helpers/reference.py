@@ -8,19 +8,13 @@ import torch
 
 
 def load_hf(path: Path):
-    from transformers import (
-        AutoModelForCausalLM,
-        LlavaForConditionalGeneration,
-        Qwen2_5_VLForConditionalGeneration,
-    )
+    import json
 
-    if "llava" in path.name:
-        model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
-    elif "qwen2_5_vl" in path.name:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval()
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = "vision_config" in json.loads((path / "config.json").read_text())
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 @torch.inference_mode()

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL (images of their own token counts, M-RoPE) through the E/P/D fleet and
-`serve all` over real NATS and Redis, called with the openai client: token-identical to
+"""Qwen2.5-VL and Qwen3-VL (images of their own token counts, M-RoPE; Qwen3-VL's
+DeepStack features ride in the embedding) through the E/P/D fleet and `serve all` over
+real NATS and Redis, called over gRPC and with the openai client: token-identical to
 transformers; a repeated image is encoded once fleet-wide; mm_processor_kwargs change
 the image's tokens and are checked."""
 
@@ -17,7 +18,11 @@ import torch
 from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
 from services.metrics import IMAGES_ENCODED
-from tests.helpers.checkpoints import make_qwen2_5_vl_checkpoint, random_image
+from tests.helpers.checkpoints import (
+    make_qwen2_5_vl_checkpoint,
+    make_qwen3_vl_checkpoint,
+    random_image,
+)
 from tests.helpers.reference import hf_greedy, load_hf
 from tests.integration.stack import start_aggregated, start_disaggregated
 
@@ -37,9 +42,12 @@ def _part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("qwen-vl-fleet"))
+MAKE = {"qwen2_5_vl": make_qwen2_5_vl_checkpoint, "qwen3_vl": make_qwen3_vl_checkpoint}
+
+
+@pytest.fixture(scope="module", params=list(MAKE))
+def ckpt(request, tmp_path_factory):
+    return MAKE[request.param](tmp_path_factory.mktemp(request.param))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -14,6 +14,7 @@ from services.models.config_json import read_facts
 from tests.helpers.checkpoints import (
     make_llava_checkpoint,
     make_qwen2_5_vl_checkpoint,
+    make_qwen3_vl_checkpoint,
     make_text_checkpoint,
 )
 
@@ -29,12 +30,12 @@ def _autoconfig_facts(path):
     if not getattr(text, "use_sliding_window", True):
         window = None
     vision = getattr(cfg, "vision_config", None) is not None
-    dynamic = cfg.model_type == "qwen2_5_vl"  # tokens per image depend on the image
+    dynamic = cfg.model_type in config_json.QWEN_VL_TEXT_TYPES  # tokens follow the image
     return (
         text.max_position_embeddings,
         window,
         text.vocab_size,
-        text.eos_token_id,
+        getattr(text, "eos_token_id", None),  # Qwen3-VL's text config has none
         image_token_id(cfg) if vision else None,
         tokens_per_image(cfg) if vision and not dynamic else 0,
     )
@@ -64,6 +65,7 @@ def test_default_tables_are_transformers_defaults():
         SiglipVisionConfig,
     )
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig, Qwen3VLTextConfig
 
     classes = {
         "llama": LlamaConfig,
@@ -73,6 +75,7 @@ def test_default_tables_are_transformers_defaults():
         "clip_vision_model": CLIPVisionConfig,
         "siglip_vision_model": SiglipVisionConfig,
         "qwen2_5_vl_text": Qwen2_5_VLTextConfig,
+        "qwen3_vl_text": Qwen3VLTextConfig,
     }
     for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
         for kind, defaults in table.items():
@@ -83,8 +86,8 @@ def test_default_tables_are_transformers_defaults():
     assert llava.vision_feature_select_strategy == "default"
     assert llava.text_config.model_type == config_json._LLAVA_SUB_TYPES["text_config"]
     assert llava.vision_config.model_type == config_json._LLAVA_SUB_TYPES["vision_config"]
-    qwen_vl = Qwen2_5_VLConfig()
-    assert qwen_vl.image_token_id == config_json._QWEN_VL_DEFAULTS["image_token_id"]
+    for qwen_vl in (Qwen2_5_VLConfig(), Qwen3VLConfig()):
+        assert qwen_vl.image_token_id == config_json._QWEN_VL_DEFAULTS["image_token_id"]
 
 
 @pytest.mark.parametrize(
@@ -98,6 +101,7 @@ def test_default_tables_are_transformers_defaults():
         lambda r: make_llava_checkpoint(r, vision="siglip"),
         lambda r: make_llava_checkpoint(r, strategy="full"),
         lambda r: make_qwen2_5_vl_checkpoint(r),
+        lambda r: make_qwen3_vl_checkpoint(r),
     ],
     ids=[
         "llama",
@@ -108,6 +112,7 @@ def test_default_tables_are_transformers_defaults():
         "llava-siglip",
         "llava-full",
         "qwen2_5_vl",
+        "qwen3_vl",
     ],
 )
 def test_saved_checkpoints_read_as_autoconfig_reads_them(tmp_path, make):
@@ -152,6 +157,12 @@ MINIMAL = {
         "max_position_embeddings": 128000,
         "eos_token_id": 151645,
         "image_token_id": 151655,
+        "vision_config": {},
+    },
+    "qwen3_vl": {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "text_config": {"vocab_size": 151936},
         "vision_config": {},
     },
 }

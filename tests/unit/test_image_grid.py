@@ -15,7 +15,7 @@ from services.models.image_grid import (
     ImageOptions,
     read_grid,
 )
-from tests.helpers.checkpoints import make_qwen2_5_vl_checkpoint
+from tests.helpers.checkpoints import make_qwen2_5_vl_checkpoint, make_qwen3_vl_checkpoint
 
 
 def _sizes(n=60, seed=0):
@@ -24,15 +24,19 @@ def _sizes(n=60, seed=0):
     return fixed + [(rng.randrange(1, 2000), rng.randrange(1, 2000)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("budget", [(3136, 12845056), (1568, 18816), (784, 784 * 6)])
-def test_dynamic_grid_is_the_processors(budget):
+@pytest.mark.parametrize(
+    "patch, budget",
+    [(14, (3136, 12845056)), (14, (1568, 18816)), (14, (784, 784 * 6)), (16, (65536, 16777216))],
+)
+def test_dynamic_grid_is_the_processors(patch, budget):
+    """Qwen2.5-VL's 14-pixel patches and Qwen3-VL's 16 (with its default budget)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     lo, hi = budget
-    proc = Qwen2VLImageProcessorPil(min_pixels=lo, max_pixels=hi)
-    grid = DynamicGrid(14, 2, lo, hi)
+    proc = Qwen2VLImageProcessorPil(min_pixels=lo, max_pixels=hi, patch_size=patch)
+    grid = DynamicGrid(patch, 2, lo, hi)
     for w, h in _sizes():
         if max(w, h) / min(w, h) > 200:
             with pytest.raises(ValueError, match="aspect ratio"):
@@ -80,6 +84,8 @@ def test_fixed_grid_takes_no_options():
 def test_checkpoint_budget_is_read_from_its_processor(tmp_path):
     path = make_qwen2_5_vl_checkpoint(tmp_path, min_pixels=1568, max_pixels=18816)
     assert read_grid(path, "qwen2_5_vl", 0) == DynamicGrid(14, 2, 1568, 18816)
+    path = make_qwen3_vl_checkpoint(tmp_path)
+    assert read_grid(path, "qwen3_vl", 0) == DynamicGrid(16, 2, 2048, 24576)
     # An earlier checkpoint's flat keys.
     flat = tmp_path / "flat"
     flat.mkdir()

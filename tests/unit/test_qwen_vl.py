@@ -1,4 +1,4 @@
-"""Qwen2.5-VL against transformers on a tiny random checkpoint: images of several sizes
+"""Qwen2.5-VL and Qwen3-VL against transformers on tiny random checkpoints: images of several sizes
 (so several token counts), several images in one prompt, multi-turn chat, chunked
 prefill through an image, the prefix cache over a shared image, processor options, and
 the multimodal rotary positions themselves; speculative decoding and a JSON schema
@@ -16,7 +16,11 @@ from services.engine.request import ImageSpan
 from services.engine.spec.config import SpeculativeConfig
 from services.engine.spec.decoding import SpecDecoding
 from services.models.mrope import rope_positions
-from tests.helpers.checkpoints import make_qwen2_5_vl_checkpoint, random_image
+from tests.helpers.checkpoints import (
+    make_qwen2_5_vl_checkpoint,
+    make_qwen3_vl_checkpoint,
+    random_image,
+)
 from tests.helpers.reference import hf_greedy, load_hf
 from tests.helpers.schemas import RECORD
 from tests.helpers.spec_proposers import OracleProposer
@@ -27,9 +31,12 @@ MAX_NEW = 12
 SIZES = [(60, 90), (120, 50), (33, 33), (200, 140)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("qwen-vl"))
+MAKE = {"qwen2_5_vl": make_qwen2_5_vl_checkpoint, "qwen3_vl": make_qwen3_vl_checkpoint}
+
+
+@pytest.fixture(scope="module", params=list(MAKE))
+def ckpt(request, tmp_path_factory):
+    return MAKE[request.param](tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
