@@ -110,6 +110,7 @@ class RequestPreparer:
             info.fingerprint,
             decode_images=False,
             max_image_pixels=self.limits.max_image_pixels,
+            image_boundary=info.image_boundary,
         )
 
     def check_model(self, model: str) -> None:
@@ -146,7 +147,7 @@ class RequestPreparer:
         if messages is not None:
             chat = chat or ChatOptions()
             prompt, chat_images, params, parsers = self._chat(messages, chat, params)
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_token_ids = self.inputs.encode_chat(prompt)
             images, chat_key = chat_images + images, chat.key()
         elif prompt is None and prompt_token_ids is None:
             raise InvalidRequest(

@@ -53,7 +53,7 @@ class LLM:
         prompts = []
         for conv in convs:
             text, images = render_chat(self.tokenizer, conv, add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.engine.inputs.encode_chat(text)
             prompts.append({"prompt": text, "prompt_token_ids": ids, "images": images})
         return self.generate(prompts, sampling_params)
 

@@ -51,9 +51,10 @@ async def tokenize(core: GatewayCore, req: TokenizeRequest, headers: dict) -> Re
         options = ChatOptions.of(req.tools, "none", template_kwargs=req.chat_template_kwargs)
         kwargs = {"tools": options.tools, **options.template_kwargs}
         text, _ = render_chat(tok, messages, req.add_generation_prompt, **kwargs)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = core.preparer.inputs.encode_chat(text)
     else:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        spelled = core.preparer.inputs.spell_images(req.prompt)
+        ids = tok.encode(spelled, add_special_tokens=req.add_special_tokens)
     image_id, per_image = core.info.image_token_id, core.info.tokens_per_image
     if image_id is not None and per_image > 1:
         ids = [t for i in ids for t in ([i] * per_image if i == image_id else [i])]

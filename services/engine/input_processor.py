@@ -23,7 +23,10 @@ class InputProcessor:
 
     ``decode_images=False`` (the gateway) checks image headers only and leaves the
     decode to the encoder; ``images`` of the result is then empty. ``grid`` says how
-    many tokens each image takes (services/models/image_grid.py).
+    many tokens each image takes (services/models/image_grid.py). ``image_boundary``
+    (begin, end token ids; Gemma 3): the chat template writes the begin token alone, and
+    a text prompt gets "\n\n<begin><image><end>\n\n" in its place before tokenizing,
+    as the model's processor does (token-id prompts come with that done).
     """
 
     def __init__(
@@ -36,8 +39,16 @@ class InputProcessor:
         fingerprint: str = "",
         decode_images: bool = True,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
+        image_boundary: tuple[int, int] | None = None,
     ):
         self.tokenizer = tokenizer
+        self.image_text = None
+        if image_boundary is not None:
+            begin, image, end = (
+                tokenizer.decode([t], skip_special_tokens=False)
+                for t in (image_boundary[0], image_token_id, image_boundary[1])
+            )
+            self.image_text = (begin, f"\n\n{begin}{image}{end}\n\n")
         self.decode_images = decode_images
         self.max_image_pixels = max_image_pixels
         self.max_model_len = max_model_len
@@ -52,7 +63,9 @@ class InputProcessor:
             if not text:
                 # Special tokens alone (BOS) would make a prompt with nothing to continue.
                 raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode(
+                self.spell_images(text), add_special_tokens=add_special_tokens
+            )
         if not ids:
             raise ValueError("prompt is empty")
         self.check_ids(ids, "prompt")
@@ -69,6 +82,15 @@ class InputProcessor:
                 f"model's context of {self.max_model_len} tokens"
             )
         return ProcessedPrompt(text, ids, images, spans, options)
+
+    def spell_images(self, text: str) -> str:
+        """Prompt text as the model's processor hands it to the tokenizer: each image's
+        begin token spelled out in full where the model has ``image_boundary``."""
+        return text.replace(*self.image_text) if self.image_text else text
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt (the template wrote the special tokens)."""
+        return self.tokenizer.encode(self.spell_images(text), add_special_tokens=False)
 
     def check_ids(self, ids: list, what: str) -> list[int]:
         """``ids`` if every one is a token of this vocabulary, else ValueError."""

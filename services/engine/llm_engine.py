@@ -75,6 +75,7 @@ class LLMEngine(EngineRequests):
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=lm.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                whole_images=self._whole_images(lm),
             ),
             self.block_manager,
         )
@@ -88,12 +89,26 @@ class LLMEngine(EngineRequests):
             lm.info.image_token_id if self.multimodal else None,
             lm.info.image_grid,
             lm.fingerprint,
+            image_boundary=lm.info.image_boundary,
         )
         self.states: dict[str, RequestState] = {}
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
         self.exports = KVExports(self.scheduler, self.kv, self.runner, config.block_size)
         self._rng = random.Random(config.seed)
         self.imports = KVImports(self)
+
+    def _whole_images(self, lm: LoadedModel) -> bool:
+        """Whether each image must be prefilled in one chunk (Gemma 3), and then that a
+        step holds one."""
+        if not getattr(lm.model, "bidirectional_images", False):
+            return False
+        if self.step_tokens < lm.info.tokens_per_image:
+            raise ValueError(
+                f"max_num_batched_tokens {self.step_tokens} is under the "
+                f"{lm.info.tokens_per_image} tokens of an image, which this model prefills "
+                "in one chunk"
+            )
+        return True
 
     def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
         c, m = self.config, lm.model

@@ -41,6 +41,9 @@ class StepInputs:
     # M-RoPE models: rotary positions, [3, T] int64 when a row is an image token, else
     # [T] (positions shifted past the images); None for every other model.
     rope_positions: torch.Tensor | None = None
+    # Models whose image tokens see the whole image (Gemma 3), in a step with image rows:
+    # [T] int64, the last key position each row sees; None: causal.
+    last_seen: torch.Tensor | None = None
     # Speculative decoding: each sampling request's drafts (its out rows: 1 + k of them,
     # the last ones of its query), and (request id, first row, rows) of every request.
     drafts: list[list[int]] = field(default_factory=list)
@@ -78,6 +81,7 @@ class ModelRunner:
         self.aux_layers: tuple[int, ...] = ()
         self.aux_rows: dict[str, list[torch.Tensor]] = {}
         self.mrope = bool(getattr(model, "uses_mrope", False))
+        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
 
     def add_request(self, req: Request, seed: int, image_embeds: list[torch.Tensor]) -> None:
         self.seeds[req.request_id] = seed
@@ -113,6 +117,7 @@ class ModelRunner:
         logits_idx, sample_seqs, sampling, mm_rows, drafts, spans = [], [], [], [], [], []
         row_tables: list[list[int]] = []  # each row's block table (a verification's rows)
         rope: list[list[int]] = [[], [], []]  # M-RoPE models' rotary positions
+        last: list[int] = []  # bidirectional-image models: each row's last key seen
         bs = self.block_size
         for item in scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
@@ -131,6 +136,8 @@ class ModelRunner:
                     axis.extend(rows)
             if req.images:
                 mm_rows.extend(self._image_rows(req, start, start + n, row0))
+            if self.bidirectional:
+                last.extend(_last_seen(req.images, start, n))
             if start + n - k == req.num_tokens:  # the last known token (and drafts) sample
                 logits_idx.extend(range(len(ids) - 1 - k, len(ids)))
                 sample_seqs.extend([len(qlens) - 1] * (k + 1))
@@ -152,6 +159,7 @@ class ModelRunner:
             drafts=drafts,
             spans=spans,
             rope_positions=self._rope_tensor(rope) if self.mrope else None,
+            last_seen=to_tensor(last, torch.long, self.device) if last and last != pos else None,
         )
 
     def _rope_tensor(self, rope: list[list[int]]) -> torch.Tensor:
@@ -168,6 +176,8 @@ class ModelRunner:
             if emb.shape[1] > width:  # features for later layers (Qwen3-VL's DeepStack)
                 extra.append((row, emb[:, width:]))
         kw = {"layer_adds": self._layer_adds(extra, width)} if extra else {}
+        if step.last_seen is not None:
+            kw["last_seen"] = step.last_seen
         pos = step.positions if step.rope_positions is None else step.rope_positions
         if not self.aux_layers:
             return self.model(pos, embeds, self.kv.layers, step.attn, step.out_rows, **kw), None
@@ -359,3 +369,13 @@ def plain_greedy(req: Request, masked: bool = False) -> bool:
         and not sp.has_penalties
         and req.num_output_tokens >= sp.min_tokens
     )
+
+
+def _last_seen(spans, start: int, n: int) -> list[int]:
+    """The last key position rows start .. start+n-1 see: their own, or for a row inside
+    an image, the image's last (the scheduler keeps each image in one chunk)."""
+    out = list(range(start, start + n))
+    for s in spans:
+        for p in range(max(start, s.offset), min(start + n, s.offset + s.length)):
+            out[p - start] = s.offset + s.length - 1
+    return out

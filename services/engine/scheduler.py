@@ -145,7 +145,7 @@ class Scheduler:
             pending = request.num_tokens - request.num_computed_tokens
             if pending != 1:  # drafts extend the last known token only
                 request.spec_token_ids = []
-            num_new = min(pending + len(request.spec_token_ids), budget)
+            num_new = self._chunk(request, min(pending + len(request.spec_token_ids), budget))
             if num_new <= 0:  # no token sampled last step: nothing known to compute
                 index += 1
                 continue
@@ -194,8 +194,8 @@ class Scheduler:
             else:
                 computed, num_cached = self.block_manager.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
-            num_new = min(remaining, budget)
-            if not self.config.enable_chunked_prefill and num_new < remaining:
+            num_new = self._chunk(request, min(remaining, budget), num_cached)
+            if num_new <= 0 or (not self.config.enable_chunked_prefill and num_new < remaining):
                 break
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 break  # FIFO: later requests do not overtake the head
@@ -204,6 +204,18 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """``num_new`` tokens from ``start`` (default: the computed ones), cut back to
+        the start of an image the chunk would end inside, under ``whole_images``."""
+        if not self.config.whole_images:
+            return num_new
+        start = request.num_computed_tokens if start is None else start
+        end = start + num_new
+        for span in request.images:
+            if span.offset < end < span.offset + span.length:
+                return span.offset - start  # <= 0: the image waits for a roomier step
+        return num_new
 
     @staticmethod
     def _scheduled(request: Request, num_new: int) -> ScheduledRequest:

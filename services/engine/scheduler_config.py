@@ -17,6 +17,9 @@ class SchedulerConfig:
     max_model_len: int
     # Split long prompts over several steps; off, a prompt is admitted whole or not yet.
     enable_chunked_prefill: bool = True
+    # Never end a prefill chunk inside an image (models whose image tokens attend to each
+    # other both ways, Gemma 3: every one needs the whole image's K/V).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

@@ -176,6 +176,49 @@ def attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
     return out
 
 
+def masked_attention(
+    query,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    last_seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``attention`` with two more rules, one sequence at a time: a key more than
+    ``window`` - 1 positions before its query is not seen (sliding-window layers), and
+    query row i sees keys up to position ``last_seen[i]`` ([T] int64; None: its own),
+    later ones included (an image's tokens see the whole image, Gemma 3), so those keys
+    must be in the cache when the row is computed."""
+    out = torch.empty_like(query)
+    bs = k_cache.shape[1]
+    for b, s in enumerate(query_starts(meta)[:-1]):
+        q, ctx = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        if q == 0:
+            continue
+        first = 0 if window is None else max(0, ctx - q + 1 - window)
+        lo = first // bs * bs  # whole blocks from the first key any row sees
+        table = meta.block_tables[b, lo // bs : (ctx + bs - 1) // bs].to(torch.long)
+        k = gather_blocks(k_cache, table, ctx - lo)
+        v = gather_blocks(v_cache, table, ctx - lo)
+        qpos = torch.arange(ctx - q, ctx, device=query.device)[:, None]
+        kpos = torch.arange(lo, ctx, device=query.device)[None, :]
+        last = qpos if last_seen is None else last_seen[s : s + q, None]
+        seen = kpos <= last
+        if window is not None:
+            seen &= qpos - kpos < window
+        o = F.scaled_dot_product_attention(
+            query[s : s + q].transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=seen,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[s : s + q] = o.transpose(0, 1)
+    return out
+
+
 def rms_norm(x, weight, eps: float, residual=None):
     if residual is not None:
         x = x + residual

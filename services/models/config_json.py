@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "LlavaForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen3VLForConditionalGeneration",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
     }
 )
 
@@ -42,6 +44,12 @@ _TEXT_DEFAULTS = {
         "eos_token_id": 151645,
     },
     "qwen3_vl_text": {"max_position_embeddings": 128000, "vocab_size": 151936},
+    "gemma3_text": {
+        "max_position_embeddings": 131072,
+        "vocab_size": 262208,
+        "sliding_window": 4096,
+        "eos_token_id": 1,
+    },
 }
 _VISION_DEFAULTS = {
     "clip_vision_model": {"image_size": 224, "patch_size": 32},
@@ -51,8 +59,20 @@ _LLAVA_DEFAULTS = {"image_token_index": 32000, "vision_feature_select_strategy":
 # A llava config's sub-configs name their model type, or get these.
 _LLAVA_SUB_TYPES = {"text_config": "llama", "vision_config": "clip_vision_model"}
 _QWEN_VL_DEFAULTS = {"image_token_id": 151655}
+# Gemma 3: image token, tokens per image, and the tokens that open and close an image.
+_GEMMA3_DEFAULTS = {
+    "image_token_index": 262144,
+    "mm_tokens_per_image": 256,
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+}
 # Qwen-VL model types (their image token counts follow the image) -> the decoder's type.
 QWEN_VL_TEXT_TYPES = {"qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text"}
+
+
+# Decoders whose sliding-window layers apply the window themselves; for the others a
+# window caps the context (services/models/info.py max_model_len).
+_OWN_WINDOWS = frozenset({"gemma3_text"})
 
 
 class UnsupportedModelError(CheckpointError):
@@ -63,12 +83,15 @@ class UnsupportedModelError(CheckpointError):
 class ConfigFacts:
     architectures: list[str]
     max_position_embeddings: int
-    sliding_window: int | None  # attention window, when the model uses one
+    sliding_window: int | None  # a window the engine applies by capping the context
     vocab_size: int
     eos_token_id: int | list[int] | None
     image_token_id: int | None  # None: no vision
     tokens_per_image: int  # 0: it depends on the image (services/models/image_grid.py)
     model_type: str = ""
+    # (begin, end) token ids around an image's tokens, where the chat template writes
+    # only the begin token and the processor adds the rest (Gemma 3); else None.
+    image_boundary: tuple[int, int] | None = None
 
 
 def read_facts(cfg: dict) -> ConfigFacts:
@@ -79,8 +102,14 @@ def read_facts(cfg: dict) -> ConfigFacts:
             f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     kind = cfg.get("model_type", "")
-    image_id, per_image = None, 0
-    if kind in QWEN_VL_TEXT_TYPES:
+    image_id, per_image, boundary = None, 0, None
+    if kind == "gemma3":
+        top = {**_GEMMA3_DEFAULTS, **cfg}
+        sub = {"model_type": "gemma3_text", **(cfg.get("text_config") or {})}
+        text = _with_defaults(sub, _TEXT_DEFAULTS, "text")
+        image_id, per_image = int(top["image_token_index"]), int(top["mm_tokens_per_image"])
+        boundary = (int(top["boi_token_index"]), int(top["eoi_token_index"]))
+    elif kind in QWEN_VL_TEXT_TYPES:
         # transformers 5 nests the decoder's fields; earlier checkpoints keep them on top.
         text = {**cfg, **(cfg.get("text_config") or {}), "model_type": QWEN_VL_TEXT_TYPES[kind]}
         text = _with_defaults(text, _TEXT_DEFAULTS, "text")
@@ -94,7 +123,7 @@ def read_facts(cfg: dict) -> ConfigFacts:
     else:
         text = _with_defaults(cfg, _TEXT_DEFAULTS, "text")
     window = text.get("sliding_window")
-    if not text.get("use_sliding_window", True):
+    if not text.get("use_sliding_window", True) or text["model_type"] in _OWN_WINDOWS:
         window = None
     return ConfigFacts(
         archs,
@@ -105,6 +134,7 @@ def read_facts(cfg: dict) -> ConfigFacts:
         image_id,
         per_image,
         kind,
+        boundary,
     )
 
 

@@ -65,6 +65,7 @@ class ModelInfo:
     tokens_per_image: int
     config_eos: int | list[int] | None = None  # eos_token_id of config.json
     model_type: str = ""
+    image_boundary: tuple[int, int] | None = None  # see ConfigFacts
 
     @cached_property
     def image_grid(self) -> ImageGrid | None:
@@ -134,4 +135,5 @@ class ModelInfo:
             facts.tokens_per_image,
             facts.eos_token_id,
             facts.model_type,
+            facts.image_boundary,
         )

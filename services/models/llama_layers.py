@@ -70,11 +70,17 @@ class Attention(nn.Module):
         q, k = q.contiguous(), k.contiguous()
         self.backend.rotary(positions, q, k, rope, True)
         self.backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        if keep is not None:  # every row's K/V is written; only the kept rows go on
-            q, meta = q.index_select(0, keep.rows), keep.meta
-        o = self.backend.attention(q, kv[0], kv[1], meta, self.scale)
-        o = o.reshape(q.shape[0], self.q_size)
+        o = self.attend(q, kv, meta, keep)
+        o = o.reshape(o.shape[0], self.q_size)
         return self.backend.linear(o, self.o_proj.weight, self.o_proj.bias)
+
+    def attend(self, q, kv: KVCache, meta: AttentionMetadata, keep: OutputRows | None):
+        """Causal attention of the rotated queries over the cache, for the ``keep`` rows
+        only when given (every row's K/V is written by now). A model with other masks
+        overrides this."""
+        if keep is not None:
+            q, meta = q.index_select(0, keep.rows), keep.meta
+        return self.backend.attention(q, kv[0], kv[1], meta, self.scale)
 
 
 class MLP(nn.Module):

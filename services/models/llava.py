@@ -16,6 +16,7 @@ from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from services.kernels.backend import Backend
 from services.models import config_json
+from services.models.gemma3 import Gemma3ForCausalLM
 from services.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -25,6 +26,7 @@ from services.models.llama import (
 from services.models.loader import CheckpointError, load_into
 
 TEXT_MODELS = {
+    "gemma3_text": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
@@ -115,7 +117,7 @@ class LlavaForConditionalGeneration(nn.Module):
         if text_type not in TEXT_MODELS:
             raise ValueError(f"LLaVA with a {text_type!r} decoder is not supported")
         self.language_model = TEXT_MODELS[text_type](cfg.text_config, backend, max_positions)
-        self.vision = VisionEncoder(cfg)
+        self.vision = self.encoder_class(cfg)
         self.image_token_id = image_token_id(cfg)
         self.num_kv_heads = self.language_model.num_kv_heads
         self.head_dim = self.language_model.head_dim

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from services.models.config_json import UnsupportedModelError
+from services.models.gemma3 import Gemma3ForCausalLM
+from services.models.gemma3_vl import Gemma3ForConditionalGeneration
 from services.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -23,6 +25,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 

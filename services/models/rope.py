@@ -21,8 +21,14 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scaling(
+    config, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """``layer_type``: the parameters of one kind of layer, where a model gives each kind
+    its own (Gemma 3: ``sliding_attention`` and ``full_attention``)."""
     params = rope_parameters(config)
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params["rope_theta"]
@@ -31,13 +37,16 @@ def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}")
     # "dynamic" rescales with the running length in transformers; here its table is fixed.
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kw = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
     return inv, float(scaling)
 
 
-def cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
+def cos_sin_cache(
+    config, head_dim: int, max_positions: int, layer_type: str | None = None
+) -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos(pos * inv_freq) then sin, both times scaling."""
-    inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
+    inv_freq, scaling = inv_freq_and_scaling(config, head_dim, layer_type)
     pos = torch.arange(max_positions, dtype=torch.float)
     freqs = pos[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)

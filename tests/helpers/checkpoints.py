@@ -10,17 +10,25 @@ from PIL import Image
 
 from services.models.demo import _build_tokenizer
 
-TEXT_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TEXT_ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the Llama family
+GEMMA_ARCHS = ("gemma3",)
 
 
 def _text_config(kind: str, vocab: int, tok, **over):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     cls = {
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
+        "gemma3": Gemma3TextConfig,
     }[kind]
     kw = dict(
         vocab_size=vocab,
@@ -38,6 +46,17 @@ def _text_config(kind: str, vocab: int, tok, **over):
     )
     if kind == "mistral":
         kw["sliding_window"] = None
+    if kind == "gemma3":
+        # Two sliding-window layers (a 16-token window, so test prompts outgrow it) around
+        # a global one, each kind with its own rotary base; the head tied, as Gemma's is.
+        kw.update(
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=16,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=True,
+            final_logit_softcapping=30.0,
+        )
     kw.update(over)
     return cls(**kw)
 
@@ -244,6 +263,57 @@ def _make_qwen_vl(root, kind, seed, min_pixels, max_pixels, vision) -> Path:
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch, merge_size=2
     )
     proc.save_pretrained(str(out))
+    return out
+
+
+GEMMA3_SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>"]
+GEMMA3_SPECIALS += ["<image_soft_token>"]
+
+
+def make_gemma3_checkpoint(root: Path, seed: int = 0) -> Path:
+    """A tiny Gemma 3 with images: a 2-layer SigLIP tower on 32-pixel images (16
+    patches, pooled to 4 image tokens), the 3-layer Gemma 3 decoder of
+    ``make_text_checkpoint(root, "gemma3")`` (a 16-token sliding window), Gemma's
+    processor and a Gemma-shaped chat template."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    from tests.helpers.chat_templates import GEMMA3
+
+    out = root / f"gemma3-vl-{seed}"
+    if (out / "config.json").exists():
+        return out
+    tok = _build_tokenizer(out)
+    tok.add_special_tokens({"additional_special_tokens": GEMMA3_SPECIALS})
+    tok.chat_template = GEMMA3
+    tok.save_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIALS}
+    cfg = Gemma3Config(
+        # No final soft-capping, as in Gemma 3's own checkpoints (transformers' Gemma 3 with
+        # images would ignore it; its text-only model applies it, and so do we).
+        text_config=_text_config("gemma3", len(tok), tok, final_logit_softcapping=None).to_dict(),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    model.generation_config.eos_token_id = tok.sep_token_id
+    model.save_pretrained(str(out))
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(str(out))
     return out
 
 

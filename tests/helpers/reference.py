@@ -38,3 +38,30 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, pixel_values=Non
         vals, idx = lp.topk(5)
         top.append(list(zip(idx.tolist(), vals.tolist(), strict=True)))
     return ids, top
+
+
+def gemma3_reference(ckpt: Path, hf, messages: list[dict], max_new_tokens: int):
+    """(prompt ids, transformers' greedy ids and top-5) for a Gemma 3 chat whose image
+    parts hold PIL images: the template rendered, each <start_of_image> replaced by the
+    processor's full image sequence (its rule, written out here), then tokenized."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    boi, eoi, image = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    plain, images = [], []
+    for m in messages:
+        if isinstance(m["content"], str):
+            plain.append(m)
+            continue
+        parts = [{"type": p["type"], "text": p.get("text")} for p in m["content"]]
+        plain.append({**m, "content": parts})
+        images += [p["image"] for p in m["content"] if p["type"] == "image"]
+    text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    text = text.replace(boi, f"\n\n{boi}{image * hf.config.mm_tokens_per_image}{eoi}\n\n")
+    ids = tok.encode(text, add_special_tokens=False)
+    if not images:
+        return ids, hf_greedy(hf, ids, max_new_tokens)
+    proc = AutoImageProcessor.from_pretrained(str(ckpt), backend="pil")
+    pixels = proc(images=images, return_tensors="pt")["pixel_values"]
+    types = (torch.tensor([ids]) == hf.config.image_token_index).int()
+    return ids, hf_greedy(hf, ids, max_new_tokens, pixel_values=pixels, token_type_ids=types)

@@ -12,6 +12,7 @@ import pytest
 from services.models import config_json
 from services.models.config_json import read_facts
 from tests.helpers.checkpoints import (
+    make_gemma3_checkpoint,
     make_llava_checkpoint,
     make_qwen2_5_vl_checkpoint,
     make_qwen3_vl_checkpoint,
@@ -29,15 +30,22 @@ def _autoconfig_facts(path):
     window = getattr(text, "sliding_window", None)
     if not getattr(text, "use_sliding_window", True):
         window = None
+    if text.model_type in config_json._OWN_WINDOWS:  # its layers apply the window
+        window = None
     vision = getattr(cfg, "vision_config", None) is not None
     dynamic = cfg.model_type in config_json.QWEN_VL_TEXT_TYPES  # tokens follow the image
+    per_image = 0
+    if cfg.model_type == "gemma3":
+        per_image = cfg.mm_tokens_per_image
+    elif vision and not dynamic:
+        per_image = tokens_per_image(cfg)
     return (
         text.max_position_embeddings,
         window,
         text.vocab_size,
         getattr(text, "eos_token_id", None),  # Qwen3-VL's text config has none
         image_token_id(cfg) if vision else None,
-        tokens_per_image(cfg) if vision and not dynamic else 0,
+        per_image,
     )
 
 
@@ -56,6 +64,8 @@ def _ours(path):
 def test_default_tables_are_transformers_defaults():
     from transformers import (
         CLIPVisionConfig,
+        Gemma3Config,
+        Gemma3TextConfig,
         LlamaConfig,
         LlavaConfig,
         MistralConfig,
@@ -76,6 +86,7 @@ def test_default_tables_are_transformers_defaults():
         "siglip_vision_model": SiglipVisionConfig,
         "qwen2_5_vl_text": Qwen2_5_VLTextConfig,
         "qwen3_vl_text": Qwen3VLTextConfig,
+        "gemma3_text": Gemma3TextConfig,
     }
     for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
         for kind, defaults in table.items():
@@ -86,6 +97,10 @@ def test_default_tables_are_transformers_defaults():
     assert llava.vision_feature_select_strategy == "default"
     assert llava.text_config.model_type == config_json._LLAVA_SUB_TYPES["text_config"]
     assert llava.vision_config.model_type == config_json._LLAVA_SUB_TYPES["vision_config"]
+    gemma = Gemma3Config()
+    assert {k: getattr(gemma, k) for k in config_json._GEMMA3_DEFAULTS} == (
+        config_json._GEMMA3_DEFAULTS
+    )
     for qwen_vl in (Qwen2_5_VLConfig(), Qwen3VLConfig()):
         assert qwen_vl.image_token_id == config_json._QWEN_VL_DEFAULTS["image_token_id"]
 
@@ -97,22 +112,26 @@ def test_default_tables_are_transformers_defaults():
         lambda r: make_text_checkpoint(r, "qwen2"),
         lambda r: make_text_checkpoint(r, "qwen3"),
         lambda r: make_text_checkpoint(r, "mistral"),
+        lambda r: make_text_checkpoint(r, "gemma3"),
         lambda r: make_llava_checkpoint(r),
         lambda r: make_llava_checkpoint(r, vision="siglip"),
         lambda r: make_llava_checkpoint(r, strategy="full"),
         lambda r: make_qwen2_5_vl_checkpoint(r),
         lambda r: make_qwen3_vl_checkpoint(r),
+        lambda r: make_gemma3_checkpoint(r),
     ],
     ids=[
         "llama",
         "qwen2",
         "qwen3",
         "mistral",
+        "gemma3",
         "llava-clip",
         "llava-siglip",
         "llava-full",
         "qwen2_5_vl",
         "qwen3_vl",
+        "gemma3-vl",
     ],
 )
 def test_saved_checkpoints_read_as_autoconfig_reads_them(tmp_path, make):
@@ -130,6 +149,13 @@ MINIMAL = {
         "sliding_window": 4096,
     },
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
+    "gemma3-vl": {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {},
+        "vision_config": {},
+    },
     "llava": {
         "architectures": ["LlavaForConditionalGeneration"],
         "model_type": "llava",
