@@ -41,6 +41,7 @@ class Fleet:
     """Private NATS + Redis and the service processes started against them."""
 
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="epd-bench-")))
+    model: str = "demo"  # every service's --model
     nats: ServerProcess | None = None
     redis: ServerProcess | None = None
     children: list[Child] = field(default_factory=list)
@@ -74,7 +75,7 @@ class Fleet:
             "serve",
             role,
             "--model",
-            "demo",
+            self.model,
             "--nats-url",
             self.nats.url,
             "--redis-url",
