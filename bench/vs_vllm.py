@@ -3,6 +3,7 @@
     flock /tmp/bench.lock taskset -c 0 python bench/vs_vllm.py \\
         --vllm-python /tmp/peers/vllm/bin/python                    # every default workload
     ... --workloads mixed,w64 --rounds 3                            # a subset, more rounds
+    ... --workloads b1,w64 --model /tmp/epd-bench-moe/top8          # another checkpoint
 
 Each system runs in its own process (``_vs_vllm_worker.py``; vLLM's in the interpreter
 given by ``--vllm-python``), loaded once per thread count and pinned with ``taskset`` (the
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpus", default="0", help="taskset CPU list at 1 thread")
     ap.add_argument("--cpus2", default="0,1", help="taskset CPU list at 2 threads")
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/peers/ckpt"))
+    ap.add_argument(
+        "--model", type=Path, help="another checkpoint directory (default: the shared Llama)"
+    )
     ap.add_argument(
         "--log-dir", type=Path, default=Path("/tmp/vs_vllm_logs"), help="each worker's stderr"
     )
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import _peers_checkpoint as ckpt
 
-    model = ckpt.text_checkpoint(args.cache_dir)
+    model = args.model or ckpt.text_checkpoint(args.cache_dir)
     print(f"checkpoint {model}; workloads {', '.join(args.workloads)}", flush=True)
     results: dict[str, Result] = {}
     t0 = time.perf_counter()

@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen3VLForConditionalGeneration",
         "Gemma3ForCausalLM",
         "Gemma3ForConditionalGeneration",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
     }
 )
 
@@ -44,6 +46,12 @@ _TEXT_DEFAULTS = {
         "eos_token_id": 151645,
     },
     "qwen3_vl_text": {"max_position_embeddings": 128000, "vocab_size": 151936},
+    "qwen3_moe": {
+        "max_position_embeddings": 32768,
+        "vocab_size": 151936,
+        "use_sliding_window": False,
+    },
+    "mixtral": {"max_position_embeddings": 131072, "vocab_size": 32000, "eos_token_id": 2},
     "gemma3_text": {
         "max_position_embeddings": 131072,
         "vocab_size": 262208,

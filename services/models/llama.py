@@ -41,7 +41,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, backend: Backend, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, backend, self.qkv_bias, self.qk_norm)
+        self.model = DecoderModel(
+            cfg, backend, self.qkv_bias, self.qk_norm, self.mlp_factory(cfg, backend)
+        )
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -49,6 +51,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("rope", cos_sin_cache(cfg, attn.head_dim, max_positions), False)
         column_major_linears(self)
+
+    def mlp_factory(self, cfg, backend: Backend):
+        """Layer index -> its feed-forward module (None: dense MLPs everywhere)."""
+        return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)  # no module-call overhead
@@ -72,6 +78,8 @@ class LlamaForCausalLM(nn.Module):
     def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
         """``steps`` greedy decode steps from ``tokens`` in one backend call: [steps, B]
         token ids, or None when the backend has no such path (see Backend.decode_greedy)."""
+        if not self.model.dense:
+            return None
         stack = self.model._stack(self.rope)
         return self.model.backend.decode_greedy(
             stack,

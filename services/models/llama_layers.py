@@ -102,11 +102,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool, mlp=None):
+        """``mlp``: the layer's feed-forward module (default: the dense gated MLP)."""
         super().__init__()
         self.backend = backend
         self.self_attn = Attention(cfg, backend, qkv_bias, qk_norm)
-        self.mlp = MLP(cfg, backend)
+        self.mlp = mlp if mlp is not None else MLP(cfg, backend)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -126,13 +127,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool, make_mlp=None):
+        """``make_mlp(layer index)``: a layer's feed-forward module, or None for the dense
+        one (mixture-of-experts models, moe.py); the native decode stack takes dense
+        layers only."""
         super().__init__()
         self.backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
-        )
+        mlps = [make_mlp(i) if make_mlp else None for i in range(cfg.num_hidden_layers)]
+        self.dense = all(m is None for m in mlps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, qkv_bias, qk_norm, m) for m in mlps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack: DecoderStack | None = None  # built on first use, after loading
 
@@ -157,7 +161,7 @@ class DecoderModel(nn.Module):
         """
         if aux_layers and keep is not None:
             raise ValueError("aux hidden states are captured for every row (no keep)")
-        if keep is None and meta.is_decode_only and layer_adds is None:
+        if keep is None and meta.is_decode_only and layer_adds is None and self.dense:
             out = self.backend.decode_stack(
                 self._stack(rope), positions, h, kv_caches, meta, aux_layers
             )

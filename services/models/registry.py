@@ -14,6 +14,7 @@ from services.models.llama import (
     Qwen3ForCausalLM,
 )
 from services.models.llava import LlavaForConditionalGeneration
+from services.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from services.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from services.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
@@ -27,6 +28,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

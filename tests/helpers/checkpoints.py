@@ -12,6 +12,7 @@ from services.models.demo import _build_tokenizer
 
 TEXT_ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the Llama family
 GEMMA_ARCHS = ("gemma3",)
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def _text_config(kind: str, vocab: int, tok, **over):
@@ -19,8 +20,10 @@ def _text_config(kind: str, vocab: int, tok, **over):
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     cls = {
@@ -29,6 +32,8 @@ def _text_config(kind: str, vocab: int, tok, **over):
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
         "gemma3": Gemma3TextConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "mixtral": MixtralConfig,
     }[kind]
     kw = dict(
         vocab_size=vocab,
@@ -57,6 +62,18 @@ def _text_config(kind: str, vocab: int, tok, **over):
             tie_word_embeddings=True,
             final_logit_softcapping=30.0,
         )
+    if kind == "qwen3_moe":
+        # 8 experts, 2 a token, normalised; the middle of three layers dense.
+        kw.update(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if kind == "mixtral":
+        kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
     kw.update(over)
     return cls(**kw)
 

@@ -17,6 +17,7 @@ from gateway.config import GatewayConfig
 from prefill_svc.service import PrefillService
 from protos.epd_pb import inference_pb2_grpc as pbg
 from services.config import EngineConfig, ServiceConfig
+from services.models.info import ModelInfo
 
 
 @dataclass
@@ -93,16 +94,18 @@ async def start_disaggregated(
         c = service_config(nats_url, redis_url, f"{name}-{tag}")
         return dataclasses.replace(c, heartbeat_s=1.0, instance_ttl_s=3.0) if lenient else c
 
-    encoder = EncoderService(engine, cfg("encoder"))
+    vision = ModelInfo.load(engine).vision  # a text model gets no encoder
+    encoder = EncoderService(engine, cfg("encoder")) if vision else None
     prefill = PrefillService(engine, cfg("prefill"))
     decodes = [DecodeService(engine, cfg(f"decode{i}")) for i in range(num_decode)]
     stack = Stack(None, encoder, prefill, decodes)
     try:
-        await asyncio.gather(encoder.start(), prefill.start(), *(d.start() for d in decodes))
+        services = [s for s in (encoder, prefill, *decodes) if s is not None]
+        await asyncio.gather(*(s.start() for s in services))
         stack.gateway = gw = await start_gateway(
             engine, cfg("gateway"), aggregated=False, cache=cache
         )
-        await wait_live(gw, num_decode)
+        await wait_live(gw, num_decode, vision)
     except BaseException:
         await stack.stop()
         raise
@@ -110,16 +113,20 @@ async def start_disaggregated(
     return stack
 
 
-async def wait_live(gw: Gateway, num_decode: int, timeout_s: float = 10.0) -> None:
-    """Until ``gw``'s registry sees an encoder, a prefill and ``num_decode`` decode
-    instances of its model (heartbeats; other stacks may share the bus)."""
+async def wait_live(
+    gw: Gateway, num_decode: int, encoder: bool = True, timeout_s: float = 10.0
+) -> None:
+    """Until ``gw``'s registry sees an encoder (if asked), a prefill and ``num_decode``
+    decode instances of its model (heartbeats; other stacks may share the bus)."""
     registry, fp = gw.core.backend.registry, gw.core.info.fingerprint
 
     def live(role: str) -> int:
         return sum(i.model == fp for i in registry.live(role))
 
     await registry.wait_for(
-        lambda: live("decode") == num_decode and live("prefill") and live("encode"),
+        lambda: (
+            live("decode") == num_decode and live("prefill") and (live("encode") or not encoder)
+        ),
         timeout_s=timeout_s,
     )
 

@@ -69,9 +69,11 @@ def test_default_tables_are_transformers_defaults():
         LlamaConfig,
         LlavaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2_5_VLConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SiglipVisionConfig,
     )
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
@@ -87,6 +89,8 @@ def test_default_tables_are_transformers_defaults():
         "qwen2_5_vl_text": Qwen2_5_VLTextConfig,
         "qwen3_vl_text": Qwen3VLTextConfig,
         "gemma3_text": Gemma3TextConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "mixtral": MixtralConfig,
     }
     for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
         for kind, defaults in table.items():
@@ -113,6 +117,8 @@ def test_default_tables_are_transformers_defaults():
         lambda r: make_text_checkpoint(r, "qwen3"),
         lambda r: make_text_checkpoint(r, "mistral"),
         lambda r: make_text_checkpoint(r, "gemma3"),
+        lambda r: make_text_checkpoint(r, "qwen3_moe"),
+        lambda r: make_text_checkpoint(r, "mixtral"),
         lambda r: make_llava_checkpoint(r),
         lambda r: make_llava_checkpoint(r, vision="siglip"),
         lambda r: make_llava_checkpoint(r, strategy="full"),
@@ -126,6 +132,8 @@ def test_default_tables_are_transformers_defaults():
         "qwen3",
         "mistral",
         "gemma3",
+        "qwen3_moe",
+        "mixtral",
         "llava-clip",
         "llava-siglip",
         "llava-full",
@@ -150,6 +158,8 @@ MINIMAL = {
     },
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
     "gemma3-vl": {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "model_type": "gemma3",

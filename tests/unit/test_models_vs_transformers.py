@@ -12,6 +12,7 @@ import torch
 from services import LLM, SamplingParams
 from tests.helpers.checkpoints import (
     GEMMA_ARCHS,
+    MOE_ARCHS,
     TEXT_ARCHS,
     make_llava_checkpoint,
     make_text_checkpoint,
@@ -67,7 +68,7 @@ def threads(request):
     ids=["cpu", "cpu-1-thread", "torch"],
     indirect=["threads"],
 )
-@pytest.mark.parametrize("kind", TEXT_ARCHS + GEMMA_ARCHS)
+@pytest.mark.parametrize("kind", TEXT_ARCHS + GEMMA_ARCHS + MOE_ARCHS)
 def test_text_greedy_matches_transformers(kind, backend, threads, ckpt_root):
     path = make_text_checkpoint(ckpt_root, kind)
     prompts = _prompts()

@@ -1,0 +1,150 @@
+"""Mixture-of-experts decoders: Qwen3-MoE and Mixtral, Llama-family layers whose MLP is
+a router and a set of gated experts (``MoEMLP``).
+
+A step's tokens are grouped by the experts the router picks, and each expert chosen by
+any token runs once over its tokens: its weights are read once a step, and at batch 1
+only the k chosen experts' weights are read at all. The loop is over experts, in
+ascending order as transformers' is (so each token's sum adds the same terms in the same
+order), never over tokens.
+
+Checkpoints store experts one by one (``experts.<e>.gate_proj`` / ``up_proj`` /
+``down_proj``; Mixtral's ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``); they load
+into one [E, 2I, H] and one [E, H, I] tensor a layer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.kernels.backend import Backend
+from services.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from services.models.loader import CheckpointError, copy_param
+
+# layer, expert, projection (checkpoint's name) of a per-expert weight
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+# projection -> (our tensor, shard): gate and up stack into gate_up
+_PROJ = {
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", None),
+    "w1": ("gate_up", 0),
+    "w3": ("gate_up", 1),
+    "w2": ("down", None),
+}
+
+
+class MoEMLP(nn.Module):
+    """Top-k router + experts. ``normalize``: the k chosen probabilities rescaled to
+    sum to 1 (Mixtral always; Qwen3-MoE when ``norm_topk_prob``)."""
+
+    def __init__(self, cfg, backend: Backend, num_experts: int, inter: int, normalize: bool):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise CheckpointError(f"unsupported activation {cfg.hidden_act!r}")
+        self.backend = backend
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = normalize
+        self.inter = inter
+        if not 0 < self.top_k <= num_experts:
+            raise CheckpointError(f"{self.top_k} experts per token of {num_experts}")
+        self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, cfg.hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, inter))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.backend.linear(h, self.gate.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype).flatten()
+        # Group the (token, slot) pairs by expert, ascending; stable keeps token order.
+        order = torch.argsort(experts.flatten(), stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).tolist()
+        tokens = order // self.top_k
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs, rows = order[start : start + n], tokens[start : start + n]
+            start += n
+            gate, up = self.backend.linear(h[rows], self.gate_up[e]).split(self.inter, dim=-1)
+            y = self.backend.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, rows, y * weights[pairs, None])
+        return out
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> str:
+        """One expert's projection; returns its key for the completeness check."""
+        target, shard = _PROJ[proj]
+        param = getattr(self, target)[expert]
+        if shard is not None:
+            param = param.narrow(0, shard * self.inter, self.inter)
+        copy_param(param, tensor, name)
+        return f"{target}.{expert}.{shard}"
+
+    def expected_keys(self) -> set[str]:
+        n = self.gate_up.shape[0]
+        return {f"gate_up.{e}.{s}" for e in range(n) for s in (0, 1)} | {
+            f"down.{e}.None" for e in range(n)
+        }
+
+
+class _MoEWeights:
+    """Loading shared by the MoE decoders: expert tensors into their layer's MoEMLP, the
+    rest as the Llama family loads it."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        seen: dict[int, set[str]] = {}
+        rest = []
+        for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            m = _EXPERT.match(name)
+            if m is None:
+                rest.append((name, tensor))
+                continue
+            layer, expert, proj = int(m[1]), int(m[2]), m[3]
+            mlp = self.model.layers[layer].mlp if layer < len(self.model.layers) else None
+            if not isinstance(mlp, MoEMLP) or proj not in _PROJ or expert >= mlp.gate_up.shape[0]:
+                raise CheckpointError(f"unexpected weight {name!r} in the checkpoint")
+            seen.setdefault(layer, set()).add(mlp.load_expert(expert, proj, tensor, name))
+        super().load_weights(rest)
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoEMLP):
+                missing = layer.mlp.expected_keys() - seen.get(i, set())
+                if missing:
+                    raise CheckpointError(
+                        f"layer {i}: expert weights missing from the checkpoint: "
+                        f"{sorted(missing)[:4]}"
+                    )
+
+    def _check_complete(self, params: dict, seen: set[str]) -> None:
+        dense = {n: p for n, p in params.items() if not n.endswith((".gate_up", ".down"))}
+        super()._check_complete(dense, seen)
+
+
+class Qwen3MoeForCausalLM(_MoEWeights, Qwen3ForCausalLM):
+    """Qwen3 layers; a layer is sparse unless listed in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th one."""
+
+    def mlp_factory(self, cfg, backend: Backend):
+        step, dense = cfg.decoder_sparse_step, set(cfg.mlp_only_layers or ())
+
+        def make(i: int):
+            if i in dense or cfg.num_experts == 0 or (i + 1) % step:
+                return None
+            args = (cfg.num_experts, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob))
+            return MoEMLP(cfg, backend, *args)
+
+        return make
+
+
+class MixtralForCausalLM(_MoEWeights, LlamaForCausalLM):
+    def mlp_factory(self, cfg, backend: Backend):
+        args = (cfg.num_local_experts, cfg.intermediate_size, True)
+        return lambda i: MoEMLP(cfg, backend, *args)
