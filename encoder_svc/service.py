@@ -48,11 +48,10 @@ from services.metrics import (
 )
 from services.microbatch import MicroBatcher
 from services.models.factory import load_vision_encoder
-from services.models.image_grid import ImageOptions
 from services.observability import bind_request
 from services.service import Service
 from services.singleflight import SingleFlight
-from services.wire import error
+from services.wire import error, options_from_proto
 
 log = logging.getLogger(__name__)
 _INVALID = bus_pb2.ERROR_CODE_INVALID_ARGUMENT
@@ -74,7 +73,7 @@ class EncoderService(Service):
         # In a thread: the loop keeps answering signals while the weights load.
         self.model = await asyncio.to_thread(load_vision_encoder, self.engine_config)
         self.fingerprint = self.model_fingerprint = self.model.fingerprint
-        self.preprocessor = ImagePreprocessor(self.model.model_dir)  # with the tower's rule
+        self.preprocessor = ImagePreprocessor(self.model.model_dir)
         # Small passes on CPU: each finished pass is the progress a waiting gateway sees
         # (heartbeat steps), and a pass of 16 ViT-B/16 images takes ~10 s on one core,
         # for little more throughput than 4 at a time. A GPU batch is fast either way.
@@ -143,12 +142,8 @@ class EncoderService(Service):
             )
         try:
             reply.embedding_key = embedding_key(self.fingerprint, req.image_hash)
-            options = ImageOptions.of(
-                {
-                    "min_pixels": req.options.min_pixels or None,
-                    "max_pixels": req.options.max_pixels or None,
-                }
-            )
+            options = options_from_proto(req.options)
+            self.model.info.image_grid.check_options(options)  # within the model's budget
         except ValueError as e:
             return _failed(reply, _INVALID, str(e))
         emb = await self.store.get(self.fingerprint, req.image_hash)

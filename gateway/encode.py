@@ -34,7 +34,7 @@ from services.bus.connection import Bus
 from services.bus.errors import BusError, BusTimeout
 from services.embeddings.keys import embedding_key
 from services.metrics import MIGRATIONS
-from services.wire import STATUS
+from services.wire import STATUS, options_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +114,7 @@ class ImageEncoder:
             prefill_instance_id=prefill_id,
             embedding_transfer_id=f"emb-{uuid.uuid4().hex}",
             push_to_prefill=push,
-            options=bus_pb2.ImageOptions(
-                min_pixels=prep.image_options.min_pixels,
-                max_pixels=prep.image_options.max_pixels,
-            ),
+            options=options_to_proto(prep.image_options),
         )
         if fits_inline(self.bus, len(image)):
             req.image = image

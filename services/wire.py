@@ -7,6 +7,7 @@ import json
 from protos.epd_pb import bus_pb2
 from protos.epd_pb import inference_pb2 as pb
 from services.engine.request import ImageSpan
+from services.models.image_grid import ImageOptions
 from services.outputs import Logprob, TokenLogprobs
 from services.sampling_params import SamplingParams
 from services.structured.outputs import StructuredOutputs
@@ -156,6 +157,17 @@ def logprobs_from_dict(token_id: int, d: dict[int, Logprob] | None, n: int) -> T
     )
     chosen = d[token_id]
     return TokenLogprobs(token_id, chosen.logprob, chosen.rank or 1, [(t, v) for _, t, v in top])
+
+
+def options_to_proto(options: ImageOptions) -> bus_pb2.ImageOptions:
+    return bus_pb2.ImageOptions(min_pixels=options.min_pixels, max_pixels=options.max_pixels)
+
+
+def options_from_proto(msg: bus_pb2.ImageOptions) -> ImageOptions:
+    """Checked as a request's mm_processor_kwargs are (ValueError when bad)."""
+    return ImageOptions.of(
+        {"min_pixels": msg.min_pixels or None, "max_pixels": msg.max_pixels or None}
+    )
 
 
 def spans_to_proto(spans: list[ImageSpan], keys: dict[str, str]) -> list[bus_pb2.ImageSpan]:

@@ -147,8 +147,10 @@ class BlockManager:
         while len(hashes) <= index:
             i = len(hashes)
             start, end = i * self.block_size, (i + 1) * self.block_size
+            # The grid too: it places the image's rotary positions (M-RoPE), and a span
+            # from another service could pair a hash with a grid of its own.
             image_hashes = [
-                image.image_hash
+                image.image_hash + "".join(f":{g}" for g in image.grid)
                 for image in request.images
                 if image.offset < end and image.offset + image.length > start
             ]

@@ -96,7 +96,7 @@ class EngineRequests:
         self._check_budget(len(p.token_ids) + len(resume))
         if image_embeds is None:
             image_embeds = self.encode_images([(im, p.options) for im in p.images])
-        embeds = image_embeds
+        embeds = self._check_embeds(p.spans, image_embeds)
         if params.n == 1:
             return self._add(request_id, p, params, embeds, final_only, export_kv, resume=resume)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -185,6 +185,22 @@ class EngineRequests:
     def release_import(self, request_id: str) -> None:
         """Decode role: give back a reservation whose KV will not come."""
         self.imports.release(request_id)
+
+    def _check_embeds(self, spans, embeds: list) -> list[torch.Tensor]:
+        """One embedding per image span, [span length, the model's embedding width], on
+        the model's device and in its dtype (a cached one comes back on the CPU)."""
+        lm = self.loaded
+        if len(embeds) != len(spans):
+            raise ValueError(f"{len(embeds)} image embeddings for {len(spans)} images")
+        out = []
+        for span, emb in zip(spans, embeds, strict=True):
+            if list(emb.shape) != [span.length, lm.image_embedding_width]:
+                raise ValueError(
+                    f"an image embedding of shape {list(emb.shape)} for an image of "
+                    f"{span.length} tokens; expected [{span.length}, {lm.image_embedding_width}]"
+                )
+            out.append(emb.to(device=lm.device, dtype=lm.dtype))
+        return out
 
     def _check_budget(self, n: int) -> None:
         c = self.config

@@ -37,6 +37,11 @@ from services.tokenization import load_tokenizer
 log = logging.getLogger(__name__)
 
 
+# A decode instance holds an imported request's KV, not its images' embeddings: preempted,
+# it cannot recompute the prompt.
+_NO_EMBEDDINGS = "preempted on a decode instance, which cannot recompute a prompt with images"
+
+
 class LLMEngine(EngineRequests):
     """Owns model, KV pool, scheduler and per-request output state (one thread)."""
 
@@ -99,14 +104,16 @@ class LLMEngine(EngineRequests):
 
     def _whole_images(self, lm: LoadedModel) -> bool:
         """Whether each image must be prefilled in one chunk (Gemma 3), and then that a
-        step holds one."""
+        step holds one beside a decode token of every other request (running requests
+        take the budget first: with less, an image could wait as long as decodes run)."""
         if not getattr(lm.model, "bidirectional_images", False):
             return False
-        if self.step_tokens < lm.info.tokens_per_image:
+        need = lm.info.tokens_per_image + self.config.max_num_seqs - 1
+        if self.step_tokens < need:
             raise ValueError(
-                f"max_num_batched_tokens {self.step_tokens} is under the "
-                f"{lm.info.tokens_per_image} tokens of an image, which this model prefills "
-                "in one chunk"
+                f"max_num_batched_tokens {self.step_tokens} is under {need}: an image's "
+                f"{lm.info.tokens_per_image} tokens, which this model prefills in one chunk, "
+                f"beside a decode token of each of max_num_seqs - 1 other requests"
             )
         return True
 
@@ -155,10 +162,13 @@ class LLMEngine(EngineRequests):
         observe_scheduled(so)
         for rid in so.finished_ids:
             self._drop_request(rid)
+        lost = []
         for rid in so.preempted_ids:  # recomputed later: hidden rows come again
             self.runner.aux_rows.pop(rid, None)
             if self.spec is not None:
                 self.spec.free(rid)
+            if self.runner.lacks_images(self.scheduler.get_request(rid)):
+                lost.append(self._fail(rid, _NO_EMBEDDINGS))
         finished, new_tokens, logprobs, exported = self._run_step(so)
         observe_step(so, new_tokens)
         touched = self._append(new_tokens, logprobs, _stopped_by_token(finished))
@@ -174,7 +184,14 @@ class LLMEngine(EngineRequests):
             if req is not None:  # handed off to a decode instance: done here
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 touched[rid].handed_off = True
-        return self._outputs(touched, exported)
+        return self._outputs(touched, exported) + [out for out in lost if out is not None]
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput | None:
+        """Abort a request with an error its caller sees (the fleet's gateway retries)."""
+        out = self.abort_request(request_id)
+        if out is not None:
+            out.error = why
+        return out
 
     def _append(
         self, new_tokens: dict[str, list[int]], logprobs: dict, stopped: set[str]

@@ -88,6 +88,10 @@ class ModelRunner:
         if image_embeds:
             self.mm_embeds[req.request_id] = image_embeds
 
+    def lacks_images(self, req: Request | None) -> bool:
+        """Whether a request has image spans but no embeddings here (imported KV)."""
+        return req is not None and bool(req.images) and req.request_id not in self.mm_embeds
+
     def drop_request(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
         self.mm_embeds.pop(request_id, None)
@@ -104,9 +108,12 @@ class ModelRunner:
         """Embedding rows of the request's images that fall in token range [start, end)."""
         rows = []
         # A decode instance holds the spans (positions follow them) but not the embeddings:
-        # its imported KV already covers the prompt.
-        embeds = self.mm_embeds.get(req.request_id, ())
-        for span, emb in zip(req.images, embeds, strict=False):
+        # its imported KV covers the prompt, and a preempted import is failed, not
+        # recomputed (LLMEngine.step).
+        embeds = self.mm_embeds.get(req.request_id)
+        if embeds is None:
+            return []
+        for span, emb in zip(req.images, embeds, strict=True):
             lo, hi = max(start, span.offset), min(end, span.offset + span.length)
             if lo < hi:
                 rows.append((row0 + lo - start, emb[lo - span.offset : hi - span.offset]))

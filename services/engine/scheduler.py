@@ -146,7 +146,7 @@ class Scheduler:
             if pending != 1:  # drafts extend the last known token only
                 request.spec_token_ids = []
             num_new = self._chunk(request, min(pending + len(request.spec_token_ids), budget))
-            if num_new <= 0:  # no token sampled last step: nothing known to compute
+            if num_new <= 0:  # nothing known to compute, or an image waiting for room
                 index += 1
                 continue
             if num_new > pending and not self.block_manager.allocate_slots(request, num_new):

@@ -157,15 +157,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             positions, inputs_embeds, kv_caches, meta, self.ropes, keep, aux_layers, last_seen
         )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.softcap is None:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._capped(super().compute_logits(hidden))
+
     def pair_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        out = super().pair_logits(hidden, token_ids)
-        return out if self.softcap is None else torch.tanh(out / self.softcap) * self.softcap
+        return self._capped(super().pair_logits(hidden, token_ids))
 
     def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
         return None  # the native burst runs Llama layers only

@@ -84,9 +84,12 @@ class FixedGrid:
     tokens: int
 
     def place(self, width: int, height: int, options: ImageOptions) -> Placement:
+        self.check_options(options)
+        return Placement(self.tokens)
+
+    def check_options(self, options: ImageOptions) -> None:
         if not options.is_default:
             raise ValueError("this model's image processor takes no mm_processor_kwargs")
-        return Placement(self.tokens)
 
     def check(self, length: int, grid: tuple[int, ...]) -> bool:
         """Whether a span received from elsewhere is one this model makes."""
@@ -104,16 +107,28 @@ class DynamicGrid:
     max_pixels: int
 
     def place(self, width: int, height: int, options: ImageOptions) -> Placement:
-        lo = options.min_pixels or self.min_pixels
-        hi = options.max_pixels or self.max_pixels
-        if lo > hi:
-            raise ValueError(f"mm_processor_kwargs: min_pixels {lo} is larger than max_pixels {hi}")
+        lo, hi = self.check_options(options)
         h, w = smart_resize(height, width, self.patch * self.merge, lo, hi)
         grid = (1, h // (self.patch * self.merge), w // (self.patch * self.merge))
         return Placement(grid[1] * grid[2], grid)
 
+    def check_options(self, options: ImageOptions) -> tuple[int, int]:
+        """The (min, max) pixels an image gets. A request may move either within the
+        checkpoint's own budget, never past its max_pixels: a tiny image asked up to
+        64 Mi pixels would cost the tower hundreds of thousands of patches."""
+        lo = options.min_pixels or self.min_pixels
+        hi = options.max_pixels or self.max_pixels
+        if max(options.min_pixels, options.max_pixels) > self.max_pixels:
+            raise ValueError(
+                f"mm_processor_kwargs: pixels above the model's max_pixels {self.max_pixels}"
+            )
+        if lo > hi:
+            raise ValueError(f"mm_processor_kwargs: min_pixels {lo} is larger than max_pixels {hi}")
+        return lo, hi
+
     def check(self, length: int, grid: tuple[int, ...]) -> bool:
-        return len(grid) == 3 and min(grid) > 0 and grid[0] * grid[1] * grid[2] == length
+        """One frame (t = 1, as for every image) whose merged patches are ``length``."""
+        return len(grid) == 3 and grid[0] == 1 and min(grid) > 0 and grid[1] * grid[2] == length
 
 
 def smart_resize(

@@ -1,12 +1,12 @@
-"""Multimodal rotary positions (M-RoPE, Qwen2-VL / Qwen2.5-VL): where each token of a
-sequence sits for the decoder's rotary embedding.
+"""Multimodal rotary positions (M-RoPE, Qwen2-VL / Qwen2.5-VL / Qwen3-VL): where each
+token of a sequence sits for the decoder's rotary embedding.
 
-Text tokens move one position per token. An image's tokens form a (t, h, w) grid that
-starts at the position after the text before it; token (i, j, k) of the grid has
-positions (start + i, start + j, start + k) on the three rotary axes, and the text after
-the image resumes at start + max(h, w). So every token past an image sits ``delta`` =
-max(h, w) - t·h·w positions from its index in the sequence, and decode rows need only
-that shift (``rope_shift``). The rule is transformers' ``get_rope_index`` for images.
+Text tokens move one position per token. An image's tokens form a (1, h, w) grid (one
+frame: the spans are checked to have t = 1) that starts at the position after the text
+before it; token (0, j, k) of the grid has positions (start, start + j, start + k) on
+the three rotary axes, and the text after the image resumes at start + max(h, w). So
+every token past an image sits max(h, w) - h·w positions from its index in the sequence.
+The rule is transformers' ``get_rope_index`` for images.
 """
 
 from __future__ import annotations
@@ -18,11 +18,6 @@ import torch
 
 if TYPE_CHECKING:
     from services.engine.request import ImageSpan
-
-
-def rope_shift(spans: Sequence[ImageSpan]) -> int:
-    """Rotary position minus sequence index, for every token after the last image."""
-    return sum(max(s.grid[1], s.grid[2]) - s.length for s in spans)
 
 
 def rope_positions(spans: Sequence[ImageSpan], start: int, n: int) -> list[list[int]]:

@@ -48,5 +48,6 @@ def cos_sin_cache(
     """[max_positions, head_dim] fp32: cos(pos * inv_freq) then sin, both times scaling."""
     inv_freq, scaling = inv_freq_and_scaling(config, head_dim, layer_type)
     pos = torch.arange(max_positions, dtype=torch.float)
+    inv_freq = inv_freq.to(pos.device)  # scaled rope types compute it on the CPU
     freqs = pos[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)

@@ -24,6 +24,7 @@ from tests.helpers.checkpoints import (
     random_image,
 )
 from tests.helpers.reference import hf_greedy, load_hf
+from tests.helpers.tower import Tower
 from tests.integration.stack import start_aggregated, start_disaggregated
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -173,13 +174,15 @@ async def test_a_repeated_image_is_encoded_once(stacks):
     messages = [
         {"role": "user", "content": [_part(_png(40, (150, 100))), {"type": "text", "text": "x"}]}
     ]
+    tower = Tower(agg.gateway.core.backend)  # serve all's passes
     first = await _tokens(fleet, messages)
-    before = IMAGES_ENCODED._value.get()
+    assert await _tokens(agg, messages) == first
+    before, passes = IMAGES_ENCODED._value.get(), tower.passes  # the fleet's encoder's
     again = [
         {**messages[0], "content": [*messages[0]["content"][:1], {"type": "text", "text": "y"}]}
     ]
     assert await _tokens(fleet, again) == await _tokens(agg, again)
-    assert first and IMAGES_ENCODED._value.get() == before
+    assert IMAGES_ENCODED._value.get() == before and tower.passes == passes
 
 
 async def test_mm_processor_kwargs_reach_the_encoder(stacks, ckpt):

@@ -93,14 +93,14 @@ def test_the_image_attention_is_bidirectional(ckpt, hf, llm):
 def test_prefill_chunks_keep_each_image_whole_and_share_it(ckpt, hf):
     """A 6-token step budget would split the 4-token image; chunks end before it
     instead. A second chat with the same image and opening reuses its cached blocks."""
-    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=512, max_num_batched_tokens=6)
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=512, max_num_batched_tokens=6, max_num_seqs=2)
     img = random_image(20, (50, 70))
     for messages in ([_user(img, "describe it")], [_user(img, "describe it in other words")]):
         out = llm.chat(messages, _greedy())[0]
         _check(out, _reference(ckpt, hf, messages))
     assert out.num_cached_tokens >= 4
     with pytest.raises(ValueError, match="in one chunk"):
-        LLM(str(ckpt), block_size=4, num_kv_blocks=64, max_num_batched_tokens=3)
+        LLM(str(ckpt), block_size=4, num_kv_blocks=64, max_num_batched_tokens=4, max_num_seqs=2)
 
 
 def test_speculation_and_a_json_schema_change_no_token(ckpt, llm):

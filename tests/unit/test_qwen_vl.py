@@ -235,3 +235,29 @@ def test_speculation_and_a_json_schema_over_images_change_no_token(ckpt, llm):
         for p, want in zip(params, plain, strict=True):
             assert spec.chat(messages, p)[0].outputs[0].token_ids == want.outputs[0].token_ids
         assert spec.engine.spec.stats.accepted_tokens > 0
+
+
+def test_spans_and_embeddings_from_another_service_are_checked(llm):
+    """What prefill and decode receive over the bus (spans, embeddings) is refused
+    unless it is what this model makes of the prompt."""
+    inputs = llm.engine.inputs
+    pad = inputs.image_token_id
+    ids = [7, 8, pad, pad, pad, pad, pad, pad, 9]
+    good = [ImageSpan(2, 6, "h", (1, 2, 3))]
+    assert inputs.check_spans(ids, good) == good
+    bad = {
+        "overlap": [ImageSpan(2, 3, "h", (1, 1, 3)), ImageSpan(4, 3, "h", (1, 1, 3))],
+        "not placeholders": [ImageSpan(1, 6, "h", (1, 2, 3))],
+        "two frames": [ImageSpan(2, 6, "h", (2, 1, 3))],
+        "grid product": [ImageSpan(2, 6, "h", (1, 2, 2))],
+        "uncovered": [ImageSpan(2, 4, "h", (1, 2, 2))],
+    }
+    for name, spans in bad.items():
+        with pytest.raises(ValueError):
+            inputs.check_spans(ids, spans)
+            pytest.fail(name)
+    width = llm.engine.loaded.image_embedding_width
+    prompt = {"prompt_token_ids": ids, "image_spans": good}
+    for embeds in ([], [torch.zeros(5, width)], [torch.zeros(6, width + 1)]):
+        with pytest.raises(ValueError, match="embedding"):
+            llm.engine.add_request("bad", prompt, SamplingParams(max_tokens=1), image_embeds=embeds)

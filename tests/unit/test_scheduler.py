@@ -409,3 +409,19 @@ def test_no_burst_when_the_pool_lacks_its_blocks() -> None:
         out, _, _ = burst(sched, 4)  # a burst of 4 needs a third block each
         assert out.num_steps == steps and len(out.scheduled) == 2
         assert sched.num_preemptions == 0
+
+
+def test_whole_images_end_chunks_before_an_image_never_inside() -> None:
+    """Gemma 3's rule: a chunk that would end inside an image ends before it; the image
+    then goes whole in a later step, and a request that starts inside one (a prefix-cache
+    hit) runs to its end."""
+    from services.engine.request import ImageSpan
+
+    sched = make_scheduler(max_num_batched_tokens=8, whole_images=True)
+    req = make_request("a", 20, max_tokens=1)
+    req.images = [ImageSpan(5, 6, "img")]  # tokens 5..10
+    sched.add_request(req)
+    chunks = [shape(step(sched)[0]) for _ in range(3)]
+    assert [c[0][1:3] for c in chunks] == [(5, 0), (8, 5), (7, 13)]
+    assert sched._chunk(req, 3, start=7) == 5 - 7  # would end at 10, inside: waits
+    assert sched._chunk(req, 8, start=7) == 8  # ends at 15, past the image
