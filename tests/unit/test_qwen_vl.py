@@ -261,3 +261,34 @@ def test_spans_and_embeddings_from_another_service_are_checked(llm):
     for embeds in ([], [torch.zeros(5, width)], [torch.zeros(6, width + 1)]):
         with pytest.raises(ValueError, match="embedding"):
             llm.engine.add_request("bad", prompt, SamplingParams(max_tokens=1), image_embeds=embeds)
+
+
+def test_a_preempted_image_import_fails_instead_of_recomputing(ckpt):
+    """A decode instance holds an imported request's KV but not its images: preempted,
+    the request ends with an error (the fleet's gateway retries it) rather than being
+    recomputed with placeholder embeddings; the other request goes on."""
+    from services.engine.llm_engine import _NO_EMBEDDINGS
+
+    prefill = LLM(str(ckpt), block_size=4, num_kv_blocks=512).engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text = {"prompt_token_ids": [7] * 8}  # two full blocks: its next token needs a third
+    image = {
+        "prompt": "<|vision_start|><|image_pad|><|vision_end|>what",
+        "images": [random_image(50, SIZES[0])],
+    }
+    imports = []
+    for rid, prompt in (("text", text), ("image", image)):
+        p = prefill.inputs.process(prompt)
+        prefill.add_request(rid, prompt, params, export_kv=True)
+        for out in sum(iter(prefill.step, []), []):
+            if out.request_id == rid and out.kv_blocks is not None:
+                first, kv = out.outputs[0].token_ids_delta[0], out.kv_blocks
+        imports.append((rid, p.token_ids, first, kv, p.spans))
+    # One block to spare: both are admitted, then the image one outgrows its last block.
+    blocks = sum(-(-len(ids) // 4) for _, ids, *_ in imports) + 1
+    decode = LLM(str(ckpt), block_size=4, num_kv_blocks=blocks).engine
+    for rid, ids, first, kv, spans in imports:
+        decode.import_request(rid, ids, len(ids), first, params, kv, images=spans)
+    outs = {o.request_id: o for o in sum(iter(decode.step, []), [])}
+    assert outs["image"].error == _NO_EMBEDDINGS
+    assert outs["text"].finished and outs["text"].error is None
