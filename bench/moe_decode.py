@@ -42,7 +42,7 @@ SHAPE = dict(
     num_experts_per_tok=8,
     moe_intermediate_size=512,
     norm_topk_prob=True,
-    max_position_embeddings=1024,
+    max_position_embeddings=4096,  # room for bench/vs_vllm.py --model's warm-up
     tie_word_embeddings=False,
 )
 

@@ -24,6 +24,7 @@ from services.models.llama import (
     Qwen3ForCausalLM,
 )
 from services.models.loader import CheckpointError, load_into
+from services.models.wrapped_decoder import WrapsDecoder
 
 TEXT_MODELS = {
     "gemma3_text": Gemma3ForCausalLM,
@@ -105,7 +106,7 @@ class VisionEncoder(nn.Module):
         load_into(self.multi_modal_projector, proj, "multi_modal_projector")
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(WrapsDecoder, nn.Module):
     """Decoder interface of ``LlamaForCausalLM`` plus ``encode_images``."""
 
     encoder_class = VisionEncoder
@@ -140,15 +141,6 @@ class LlavaForConditionalGeneration(nn.Module):
     def forward(self, positions, inputs_embeds, kv_caches, meta, keep=None, aux_layers=()):
         """The language model's hidden states (with ``aux_layers``: (hidden, aux))."""
         return self.language_model(positions, inputs_embeds, kv_caches, meta, keep, aux_layers)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def pair_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.pair_logits(hidden, token_ids)
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.greedy_tokens(hidden)
 
     def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
         return self.language_model.decode_greedy(tokens, positions, kv_caches, meta, steps)

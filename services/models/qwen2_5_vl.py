@@ -17,6 +17,7 @@ from services.models.llama import Qwen2ForCausalLM
 from services.models.loader import CheckpointError, load_into
 from services.models.mrope import section_axes, token_table
 from services.models.rope import rope_parameters
+from services.models.wrapped_decoder import WrapsDecoder
 
 # Checkpoint names: transformers 5 (model.visual / model.language_model) and earlier
 # (visual / model) -> ours.
@@ -65,7 +66,7 @@ class Qwen2_5_VisionEncoder(nn.Module):
         load_into(self.visual, own, "visual")
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
+class Qwen2_5_VLForConditionalGeneration(WrapsDecoder, nn.Module):
     """Decoder interface of ``LlamaForCausalLM`` plus ``encode_images``; ``forward``
     takes [3, T] rotary positions (``uses_mrope``) or [T] where every axis agrees."""
 
@@ -105,15 +106,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         return lm.model(
             positions, inputs_embeds, kv_caches, meta, rope, keep, aux_layers, layer_adds
         )
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def pair_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.pair_logits(hidden, token_ids)
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.greedy_tokens(hidden)
 
     def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
         # The native burst places K/V by the rotary position, which M-RoPE shifts.

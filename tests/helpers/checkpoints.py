@@ -185,6 +185,16 @@ QWEN_VL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_p
 QWEN_VL_SPECIALS += ["<|vision_end|>", "<|video_pad|>"]
 
 
+def _tokenizer_with(out: Path, specials: list[str], template: str):
+    """The test tokenizer with a model family's special tokens and chat template, saved
+    into ``out``; (tokenizer, special token -> id)."""
+    tok = _build_tokenizer(out)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = template
+    tok.save_pretrained(str(out))
+    return tok, {t: tok.convert_tokens_to_ids(t) for t in specials}
+
+
 TINY_QWEN_VISION = {
     "qwen2_5_vl": dict(
         depth=2,
@@ -242,11 +252,7 @@ def _make_qwen_vl(root, kind, seed, min_pixels, max_pixels, vision) -> Path:
     out = root / f"{kind}-{seed}-{min_pixels}-{max_pixels}-{shape}"
     if (out / "config.json").exists():
         return out
-    tok = _build_tokenizer(out)
-    tok.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIALS})
-    tok.chat_template = QWEN_VL
-    tok.save_pretrained(str(out))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
+    tok, ids = _tokenizer_with(out, QWEN_VL_SPECIALS, QWEN_VL)
     decoder = "qwen2" if kind == "qwen2_5_vl" else "qwen3"
     layers = 2 if kind == "qwen2_5_vl" else 3
     text = _text_config(decoder, len(tok), tok, num_hidden_layers=layers).to_dict()
@@ -302,11 +308,7 @@ def make_gemma3_checkpoint(root: Path, seed: int = 0) -> Path:
     out = root / f"gemma3-vl-{seed}"
     if (out / "config.json").exists():
         return out
-    tok = _build_tokenizer(out)
-    tok.add_special_tokens({"additional_special_tokens": GEMMA3_SPECIALS})
-    tok.chat_template = GEMMA3
-    tok.save_pretrained(str(out))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIALS}
+    tok, ids = _tokenizer_with(out, GEMMA3_SPECIALS, GEMMA3)
     cfg = Gemma3Config(
         # No final soft-capping, as in Gemma 3's own checkpoints (transformers' Gemma 3 with
         # images would ignore it; its text-only model applies it, and so do we).

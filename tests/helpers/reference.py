@@ -65,3 +65,14 @@ def gemma3_reference(ckpt: Path, hf, messages: list[dict], max_new_tokens: int):
     pixels = proc(images=images, return_tensors="pt")["pixel_values"]
     types = (torch.tensor([ids]) == hf.config.image_token_index).int()
     return ids, hf_greedy(hf, ids, max_new_tokens, pixel_values=pixels, token_type_ids=types)
+
+
+def check_greedy(out, ref, tol: float = 1e-3) -> None:
+    """An engine output against ``hf_greedy``'s (ids, top-5): the same tokens, and each
+    of transformers' top-5 logprobs within ``tol`` of ours."""
+    ids, top = ref
+    comp = out.outputs[0]
+    assert comp.token_ids == ids
+    for ours, theirs in zip(comp.logprobs, top, strict=False):
+        for tid, lp in theirs:
+            assert abs(ours[tid].logprob - lp) < tol

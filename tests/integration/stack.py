@@ -113,6 +113,19 @@ async def start_disaggregated(
     return stack
 
 
+async def start_fleet_and_serve_all(
+    engine: EngineConfig, nats_url: str, redis_url: str, tag: str
+) -> tuple[Stack, Stack]:
+    """The model as a fleet (one decode instance) and as `serve all`, on one bus: the
+    pair the per-model parity tests compare against transformers."""
+    fleet = await start_disaggregated(engine, nats_url, redis_url, tag, 1)
+    try:
+        return fleet, await start_aggregated(engine, nats_url, redis_url, tag)
+    except BaseException:
+        await fleet.stop()
+        raise
+
+
 async def wait_live(
     gw: Gateway, num_decode: int, encoder: bool = True, timeout_s: float = 10.0
 ) -> None:

@@ -15,7 +15,7 @@ from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
 from tests.helpers.checkpoints import make_gemma3_checkpoint, random_image
 from tests.helpers.reference import gemma3_reference, load_hf
-from tests.integration.stack import start_aggregated, start_disaggregated
+from tests.integration.stack import start_fleet_and_serve_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,11 +48,10 @@ def ckpt(tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stacks(ckpt, nats_server, redis_server):
     engine = EngineConfig(model=str(ckpt), block_size=16, num_kv_blocks=256)
-    fleet = await start_disaggregated(engine, nats_server.url, redis_server.url, "g3", 1)
-    agg = await start_aggregated(engine, nats_server.url, redis_server.url, "g3")
-    yield fleet, agg
-    await fleet.stop()
-    await agg.stop()
+    stacks = await start_fleet_and_serve_all(engine, nats_server.url, redis_server.url, "g3")
+    yield stacks
+    for stack in stacks:
+        await stack.stop()
 
 
 def _request(turns) -> pb.GenerateRequest:

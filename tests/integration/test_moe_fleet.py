@@ -13,7 +13,7 @@ from protos.epd_pb import inference_pb2 as pb
 from services.config import EngineConfig
 from tests.helpers.checkpoints import MOE_ARCHS, make_text_checkpoint
 from tests.helpers.reference import hf_greedy, load_hf
-from tests.integration.stack import start_aggregated, start_disaggregated
+from tests.integration.stack import start_fleet_and_serve_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -30,11 +30,10 @@ def ckpt(request, tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stacks(ckpt, nats_server, redis_server):
     engine = EngineConfig(model=str(ckpt), block_size=16, num_kv_blocks=256)
-    fleet = await start_disaggregated(engine, nats_server.url, redis_server.url, "moe", 1)
-    agg = await start_aggregated(engine, nats_server.url, redis_server.url, "moe")
-    yield fleet, agg
-    await fleet.stop()
-    await agg.stop()
+    stacks = await start_fleet_and_serve_all(engine, nats_server.url, redis_server.url, "moe")
+    yield stacks
+    for stack in stacks:
+        await stack.stop()
 
 
 async def test_fleet_and_serve_all_match_transformers(stacks, ckpt):

@@ -25,7 +25,7 @@ from tests.helpers.checkpoints import (
 )
 from tests.helpers.reference import hf_greedy, load_hf
 from tests.helpers.tower import Tower
-from tests.integration.stack import start_aggregated, start_disaggregated
+from tests.integration.stack import start_fleet_and_serve_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -54,11 +54,10 @@ def ckpt(request, tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stacks(ckpt, nats_server, redis_server):
     engine = EngineConfig(model=str(ckpt), block_size=16, num_kv_blocks=256)
-    fleet = await start_disaggregated(engine, nats_server.url, redis_server.url, "qvl", 1)
-    agg = await start_aggregated(engine, nats_server.url, redis_server.url, "qvl")
-    yield fleet, agg
-    await fleet.stop()
-    await agg.stop()
+    stacks = await start_fleet_and_serve_all(engine, nats_server.url, redis_server.url, "qvl")
+    yield stacks
+    for stack in stacks:
+        await stack.stop()
 
 
 def _client(stack) -> openai.AsyncOpenAI:

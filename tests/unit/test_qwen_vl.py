@@ -21,7 +21,7 @@ from tests.helpers.checkpoints import (
     make_qwen3_vl_checkpoint,
     random_image,
 )
-from tests.helpers.reference import hf_greedy, load_hf
+from tests.helpers.reference import check_greedy, hf_greedy, load_hf
 from tests.helpers.schemas import RECORD
 from tests.helpers.spec_proposers import OracleProposer
 
@@ -105,15 +105,6 @@ def _user(*parts):
     return {"role": "user", "content": content}
 
 
-def _check(out, ref):
-    ids, top = ref
-    comp = out.outputs[0]
-    assert comp.token_ids == ids
-    for ours, theirs in zip(comp.logprobs, top, strict=False):
-        for tid, lp in theirs:
-            assert abs(ours[tid].logprob - lp) < 1e-3
-
-
 def _greedy():
     return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
 
@@ -143,7 +134,7 @@ def test_chat_matches_transformers(ckpt, hf, llm, messages):
     expanded, ref = _reference(ckpt, hf, _render(ckpt, messages), images)
     out = llm.chat(messages, _greedy())
     assert out[0].prompt_token_ids == expanded
-    _check(out[0], ref)
+    check_greedy(out[0], ref)
 
 
 def test_image_token_counts_follow_the_image(ckpt, llm):
@@ -163,7 +154,7 @@ def test_chunked_prefill_splits_an_image_and_the_prefix_cache_shares_it(ckpt, hf
         expanded, ref = _reference(ckpt, hf, _render(ckpt, messages), [img])
         out = llm.chat(messages, _greedy())
         assert out[0].prompt_token_ids == expanded
-        _check(out[0], ref)
+        check_greedy(out[0], ref)
     assert out[0].num_cached_tokens >= 20  # the image's blocks came from the cache
 
 
@@ -180,7 +171,7 @@ def test_max_pixels_changes_the_tokens_and_the_hash(ckpt, hf, llm):
     }
     out = llm.generate(prompt, _greedy())
     assert out[0].prompt_token_ids == expanded
-    _check(out[0], ref)
+    check_greedy(out[0], ref)
     default = llm.engine.inputs.process({**prompt, "mm_processor_kwargs": None}, False)
     sized = llm.engine.inputs.process(prompt, False)
     assert default.spans[0].length > sized.spans[0].length
