@@ -63,6 +63,12 @@ class MoEMLP(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(h.dtype).flatten()
+        if h.shape[0] == 1:  # batch-1 decode: the token's k experts, ascending, no grouping
+            picks = sorted(zip(experts[0].tolist(), range(self.top_k), strict=True))
+            out = torch.zeros_like(h)
+            for e, slot in picks:
+                out += self._expert(h, e) * weights[slot : slot + 1, None]
+            return out
         # Group the (token, slot) pairs by expert, ascending; stable keeps token order.
         order = torch.argsort(experts.flatten(), stable=True)
         counts = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).tolist()
@@ -74,10 +80,12 @@ class MoEMLP(nn.Module):
                 continue
             pairs, rows = order[start : start + n], tokens[start : start + n]
             start += n
-            gate, up = self.backend.linear(h[rows], self.gate_up[e]).split(self.inter, dim=-1)
-            y = self.backend.linear(F.silu(gate) * up, self.down[e])
-            out.index_add_(0, rows, y * weights[pairs, None])
+            out.index_add_(0, rows, self._expert(h[rows], e) * weights[pairs, None])
         return out
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = self.backend.linear(x, self.gate_up[e]).split(self.inter, dim=-1)
+        return self.backend.linear(F.silu(gate) * up, self.down[e])
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> str:
         """One expert's projection; returns its key for the completeness check."""
