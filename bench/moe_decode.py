@@ -84,9 +84,10 @@ def active_bytes(llm: LLM) -> int:
 
 
 def read_rate(llm: LLM) -> float:
-    """Bytes/s one GEMV row reads a 512 MiB fp32 matrix at, through the engine's backend."""
+    """Bytes/s one GEMV row reads a 512 MiB fp32 matrix at, through the engine's backend
+    (column-major, as the engine keeps its weights)."""
     backend = llm.engine.backend
-    w = torch.randn(32768, 4096)
+    w = torch.randn(4096, 32768).t()
     x = torch.randn(1, 4096)
     best = float("inf")
     for _ in range(5):

@@ -53,8 +53,14 @@ class MoEMLP(nn.Module):
         if not 0 < self.top_k <= num_experts:
             raise CheckpointError(f"{self.top_k} experts per token of {num_experts}")
         self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, cfg.hidden_size))
-        self.down = nn.Parameter(torch.empty(num_experts, cfg.hidden_size, inter))
+        # [E, out, in] with each expert's matrix column-major (W^T contiguous), as dense
+        # layers keep theirs (weight_layout.py): the native GEMV reads it 1.5-1.8x faster
+        # at 1-8 rows than row-major.
+        self.gate_up = nn.Parameter(_column_major(num_experts, 2 * inter, cfg.hidden_size))
+        self.down = nn.Parameter(_column_major(num_experts, cfg.hidden_size, inter))
+        # Each expert's (gate_up, down) as views made once: the CPU GEMM keeps a packed
+        # copy per weight tensor object, and a fresh view per call would repack it.
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.backend.linear(h, self.gate.weight)
@@ -84,12 +90,16 @@ class MoEMLP(nn.Module):
         return out
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = self.backend.linear(x, self.gate_up[e]).split(self.inter, dim=-1)
-        return self.backend.linear(F.silu(gate) * up, self.down[e])
+        if self._views is None:
+            self._views = list(zip(self.gate_up.unbind(0), self.down.unbind(0), strict=True))
+        gate_up, down = self._views[e]
+        gate, up = self.backend.linear(x, gate_up).split(self.inter, dim=-1)
+        return self.backend.linear(F.silu(gate) * up, down)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> str:
         """One expert's projection; returns its key for the completeness check."""
         target, shard = _PROJ[proj]
+        self._views = None
         param = getattr(self, target)[expert]
         if shard is not None:
             param = param.narrow(0, shard * self.inter, self.inter)
@@ -101,6 +111,11 @@ class MoEMLP(nn.Module):
         return {f"gate_up.{e}.{s}" for e in range(n) for s in (0, 1)} | {
             f"down.{e}.None" for e in range(n)
         }
+
+
+def _column_major(experts: int, rows: int, cols: int) -> torch.Tensor:
+    """[experts, rows, cols] whose every [rows, cols] slice has strides (1, rows)."""
+    return torch.empty(experts, cols, rows).transpose(1, 2)
 
 
 class _MoEWeights:
