@@ -219,6 +219,18 @@ def masked_attention(
     return out
 
 
+def grouped_gemm(x, weight, rows, block_expert, block_m: int = 16) -> torch.Tensor:
+    """Twin of ``triton_moe.grouped_gemm``: slot i = x[rows[i]] @ weight[e].T in fp32,
+    rounded once, for e the expert of slot i's block; padding slots (rows -1) zero."""
+    y = torch.zeros(rows.numel(), weight.shape[1], dtype=x.dtype, device=x.device)
+    for b, e in enumerate(block_expert.tolist()):
+        r = rows[b * block_m : (b + 1) * block_m]
+        valid = r >= 0
+        prod = x[r[valid]].float() @ weight[e].float().t()
+        y[b * block_m : (b + 1) * block_m][valid] = prod.to(x.dtype)
+    return y
+
+
 def rms_norm(x, weight, eps: float, residual=None):
     if residual is not None:
         x = x + residual

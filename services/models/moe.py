@@ -2,7 +2,8 @@
 a router and a set of gated experts (``MoEMLP``).
 
 A step's tokens are grouped by the experts the router picks, and each expert chosen by
-any token runs once over its tokens: its weights are read once a step, and at batch 1
+any token runs once over its tokens (on CUDA, every pair in one grouped-GEMM launch,
+services/kernels/triton_moe.py): its weights are read once a step, and at batch 1
 only the k chosen experts' weights are read at all. The loop is over experts, in
 ascending order as transformers' is (so each token's sum adds the same terms in the same
 order), never over tokens.
@@ -69,6 +70,8 @@ class MoEMLP(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(h.dtype).flatten()
+        if self.backend.name == "triton":
+            return self._grouped(h, experts, weights)
         if h.shape[0] == 1:  # batch-1 decode: the token's k experts, ascending, no grouping
             picks = sorted(zip(experts[0].tolist(), range(self.top_k), strict=True))
             out = torch.zeros_like(h)
@@ -87,6 +90,19 @@ class MoEMLP(nn.Module):
             pairs, rows = order[start : start + n], tokens[start : start + n]
             start += n
             out.index_add_(0, rows, self._expert(h[rows], e) * weights[pairs, None])
+        return out
+
+    def _grouped(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """Every (token, expert) pair in two grouped GEMM launches (CUDA, triton_moe.py)."""
+        from services.kernels.triton_moe import align_by_expert, grouped_gemm
+
+        rows, blocks, pairs = align_by_expert(experts, self.gate_up.shape[0])
+        gate, up = grouped_gemm(h, self.gate_up, rows, blocks).split(self.inter, dim=-1)
+        slots = torch.arange(rows.numel(), device=h.device)
+        y = grouped_gemm(F.silu(gate) * up, self.down, torch.where(rows >= 0, slots, -1), blocks)
+        valid = pairs >= 0
+        out = torch.zeros_like(h)
+        out.index_add_(0, rows[valid], y[valid] * weights[pairs[valid], None])
         return out
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
