@@ -167,7 +167,7 @@ class LLMEngine(EngineRequests):
             self.runner.aux_rows.pop(rid, None)
             if self.spec is not None:
                 self.spec.free(rid)
-            if self.runner.lacks_images(self.scheduler.get_request(rid)):
+            if self.runner.images.lacks(self.scheduler.get_request(rid)):
                 lost.append(self._fail(rid, _NO_EMBEDDINGS))
         finished, new_tokens, logprobs, exported = self._run_step(so)
         observe_step(so, new_tokens)

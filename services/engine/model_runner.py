@@ -10,6 +10,7 @@ from services.engine.kv_cache import KVCachePool
 from services.engine.request import Request
 from services.engine.sampler import sample
 from services.engine.spec.verify import num_accepted, verify_row, verify_rows
+from services.engine.step_images import StepImages, place
 from services.engine.step_meta import (
     attn_meta,
     next_decode_meta,
@@ -20,7 +21,6 @@ from services.engine.step_meta import (
 from services.engine.thinking import forced_token
 from services.kernels.backend import Backend
 from services.kernels.metadata import AttentionMetadata, OutputRows
-from services.models.mrope import rope_positions
 from services.outputs import TokenLogprobs
 from services.structured.matcher import apply_masks, start_masks
 
@@ -74,27 +74,20 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv.block_size
-        self.mm_embeds: dict[str, list[torch.Tensor]] = {}
+        self.images = StepImages(model, device)
         self.seeds: dict[str, int] = {}
         # Speculative decoding: target layers whose outputs the draft proposer needs
         # (captured only when set), and each request's rows not yet handed to it.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_rows: dict[str, list[torch.Tensor]] = {}
-        self.mrope = bool(getattr(model, "uses_mrope", False))
-        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
 
     def add_request(self, req: Request, seed: int, image_embeds: list[torch.Tensor]) -> None:
         self.seeds[req.request_id] = seed
-        if image_embeds:
-            self.mm_embeds[req.request_id] = image_embeds
-
-    def lacks_images(self, req: Request | None) -> bool:
-        """Whether a request has image spans but no embeddings here (imported KV)."""
-        return req is not None and bool(req.images) and req.request_id not in self.mm_embeds
+        self.images.add(req.request_id, image_embeds)
 
     def drop_request(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
-        self.mm_embeds.pop(request_id, None)
+        self.images.drop(request_id)
         self.aux_rows.pop(request_id, None)
 
     def take_aux_rows(self, request_id: str) -> torch.Tensor | None:
@@ -104,27 +97,11 @@ class ModelRunner:
             return None
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def _image_rows(self, req: Request, start: int, end: int, row0: int):
-        """Embedding rows of the request's images that fall in token range [start, end)."""
-        rows = []
-        # A decode instance holds the spans (positions follow them) but not the embeddings:
-        # its imported KV covers the prompt, and a preempted import is failed, not
-        # recomputed (LLMEngine.step).
-        embeds = self.mm_embeds.get(req.request_id)
-        if embeds is None:
-            return []
-        for span, emb in zip(req.images, embeds, strict=True):
-            lo, hi = max(start, span.offset), min(end, span.offset + span.length)
-            if lo < hi:
-                rows.append((row0 + lo - start, emb[lo - span.offset : hi - span.offset]))
-        return rows
-
     def prepare(self, scheduled) -> StepInputs:
         ids, pos, slots, qlens, seqlens, tables = [], [], [], [], [], []
-        logits_idx, sample_seqs, sampling, mm_rows, drafts, spans = [], [], [], [], [], []
+        logits_idx, sample_seqs, sampling, drafts, spans = [], [], [], [], []
         row_tables: list[list[int]] = []  # each row's block table (a verification's rows)
-        rope: list[list[int]] = [[], [], []]  # M-RoPE models' rotary positions
-        last: list[int] = []  # bidirectional-image models: each row's last key seen
+        images = self.images.rows()
         bs = self.block_size
         for item in scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
@@ -138,13 +115,7 @@ class ModelRunner:
             tables.append(req.block_ids)
             row_tables.extend([req.block_ids] * n)
             spans.append((req.request_id, row0, n))
-            if self.mrope:
-                for axis, rows in zip(rope, rope_positions(req.images, start, n), strict=True):
-                    axis.extend(rows)
-            if req.images:
-                mm_rows.extend(self._image_rows(req, start, start + n, row0))
-            if self.bidirectional:
-                last.extend(_last_seen(req.images, start, n))
+            images.add(req, start, n, row0)
             if start + n - k == req.num_tokens:  # the last known token (and drafts) sample
                 logits_idx.extend(range(len(ids) - 1 - k, len(ids)))
                 sample_seqs.extend([len(qlens) - 1] * (k + 1))
@@ -162,27 +133,17 @@ class ModelRunner:
             attn=attn,
             out_rows=out_rows(logits_idx, sample_seqs, attn, pos, self.device),
             sampling=sampling,
-            mm_rows=mm_rows,
+            mm_rows=images.mm_rows,
             drafts=drafts,
             spans=spans,
-            rope_positions=self._rope_tensor(rope) if self.mrope else None,
-            last_seen=to_tensor(last, torch.long, self.device) if last and last != pos else None,
+            rope_positions=images.rope_positions(),
+            last_seen=images.last_seen(pos),
         )
-
-    def _rope_tensor(self, rope: list[list[int]]) -> torch.Tensor:
-        if rope[0] == rope[1] == rope[2]:  # no image token in the step
-            return to_tensor(rope[0], torch.long, self.device)
-        return torch.tensor(rope, dtype=torch.long, device=self.device)
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of the out rows, and the aux rows of every row when asked for."""
         embeds = self.model.embed(step.input_ids)
-        width, extra = embeds.shape[1], []
-        for row, emb in step.mm_rows:
-            embeds[row : row + emb.shape[0]] = emb[:, :width].to(embeds.dtype)
-            if emb.shape[1] > width:  # features for later layers (Qwen3-VL's DeepStack)
-                extra.append((row, emb[:, width:]))
-        kw = {"layer_adds": self._layer_adds(extra, width)} if extra else {}
+        kw = place(embeds, step.mm_rows)
         if step.last_seen is not None:
             kw["last_seen"] = step.last_seen
         pos = step.positions if step.rope_positions is None else step.rope_positions
@@ -335,12 +296,6 @@ class ModelRunner:
             tokens = self._burst_loop(step, steps)
         return dict(zip(ids, tokens.t().tolist(), strict=True))
 
-    def _layer_adds(self, extra: list[tuple[int, torch.Tensor]], width: int):
-        """(rows [N], values [L, N, width]) from each image run's (first row, [n, L*width])."""
-        rows = torch.cat([torch.arange(r, r + e.shape[0]) for r, e in extra]).to(self.device)
-        values = torch.cat([e for _, e in extra])
-        return rows, values.view(values.shape[0], -1, width).transpose(0, 1)
-
     def _burst_loop(self, step: StepInputs, steps: int) -> torch.Tensor:
         tokens, pos, meta = step.input_ids, step.positions, step.attn
         rope = pos if step.rope_positions is None else step.rope_positions  # [T]: decode
@@ -376,13 +331,3 @@ def plain_greedy(req: Request, masked: bool = False) -> bool:
         and not sp.has_penalties
         and req.num_output_tokens >= sp.min_tokens
     )
-
-
-def _last_seen(spans, start: int, n: int) -> list[int]:
-    """The last key position rows start .. start+n-1 see: their own, or for a row inside
-    an image, the image's last (the scheduler keeps each image in one chunk)."""
-    out = list(range(start, start + n))
-    for s in spans:
-        for p in range(max(start, s.offset), min(start + n, s.offset + s.length)):
-            out[p - start] = s.offset + s.length - 1
-    return out

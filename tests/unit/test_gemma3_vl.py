@@ -82,7 +82,7 @@ def test_the_image_attention_is_bidirectional(ckpt, hf, llm):
     messages = CASES["one-image"]
     ids, (tokens, _) = _reference(ckpt, hf, messages)
     causal = LLM(str(ckpt), block_size=4, num_kv_blocks=512)
-    causal.engine.runner.bidirectional = False
+    causal.engine.runner.images.bidirectional = False
     assert causal.chat(messages, _greedy())[0].outputs[0].token_ids != tokens
 
 
