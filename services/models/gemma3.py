@@ -4,7 +4,7 @@ What differs from the Llama family (llama_layers.py), all read from the config:
 - sliding-window layers (``layer_types``: ``sliding_attention`` every few layers, the
   rest ``full_attention``), each kind with its own rotary table;
 - four norms a layer (after attention and after the MLP as well as before each), and
-  norms that scale by ``1 + weight`` (the weights are stored with the 1 added at load);
+  norms that scale by ``1 + weight`` in fp32 (``GemmaNorm``: the 1 added at load);
 - the embedding scaled by sqrt(hidden), GELU (tanh) gating, a query scale of
   ``query_pre_attn_scalar`` ** -0.5, and optional final-logit soft-capping.
 
@@ -24,7 +24,7 @@ from torch import nn
 from services.kernels import torch_backend
 from services.kernels.backend import Backend
 from services.models.llama import LlamaForCausalLM
-from services.models.llama_layers import Attention, KVCache, RMSNorm
+from services.models.llama_layers import Attention, KVCache
 from services.models.loader import CheckpointError
 from services.models.rope import cos_sin_cache
 from services.models.weight_layout import column_major_linears
@@ -32,14 +32,38 @@ from services.models.weight_layout import column_major_linears
 SLIDING = "sliding_attention"
 
 
+class GemmaNorm(nn.Module):
+    """RMSNorm scaling by (1 + w), kept in fp32 whatever the model's dtype, as
+    transformers computes it (the checkpoint's w plus 1, rounded to bf16, would move every
+    norm by up to 0.4 %); the residual add, when given, in the activations' dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (xf * self.weight).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
 class Gemma3Attention(Attention):
     def __init__(self, cfg, backend: Backend, layer_type: str):
         super().__init__(cfg, backend, qkv_bias=False, qk_norm=True)
+        self.q_norm = GemmaNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.window = cfg.sliding_window if layer_type == SLIDING else None
         # Set by the model for a step with image rows: the last key position each row
         # of the step sees (an image's rows see the whole image); None: causal.
         self.last_seen: torch.Tensor | None = None
+
+    def norm(self, x: torch.Tensor, norm: GemmaNorm) -> torch.Tensor:
+        return norm(x)
 
     def attend(self, q, kv: KVCache, meta, keep) -> torch.Tensor:
         if self.window is None and self.last_seen is None:
@@ -75,21 +99,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(cfg, backend, layer_type)
         self.mlp = Gemma3MLP(cfg, backend)
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-
-    def _norm(self, x, norm: RMSNorm, residual=None):
-        return self.backend.rms_norm(x, norm.weight, norm.eps, residual)
+        self.input_layernorm = GemmaNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaNorm(cfg.hidden_size, eps)
 
     def forward(self, positions, h, kv, meta, rope, keep=None):
-        a = self.self_attn(positions, self._norm(h, self.input_layernorm), kv, meta, rope, keep)
+        a = self.self_attn(positions, self.input_layernorm(h), kv, meta, rope, keep)
         if keep is not None:
             h = h.index_select(0, keep.rows)
-        a = self._norm(a, self.post_attention_layernorm)
-        x, h = self._norm(a, self.pre_feedforward_layernorm, residual=h)  # h += a
-        return h + self._norm(self.mlp(x), self.post_feedforward_layernorm)
+        a = self.post_attention_layernorm(a)
+        x, h = self.pre_feedforward_layernorm(a, residual=h)  # h += a
+        return h + self.post_feedforward_layernorm(self.mlp(x))
 
 
 class Gemma3TextModel(nn.Module):
@@ -100,7 +121,7 @@ class Gemma3TextModel(nn.Module):
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, backend, kind) for kind in cfg.layer_types
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = GemmaNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, positions, h, kv_caches, meta, ropes: dict, keep=None, aux_layers=(), last_seen=None
@@ -116,7 +137,7 @@ class Gemma3TextModel(nn.Module):
                 h = layer(positions, h, kv, meta, rope, keep if i == last else None)
             finally:
                 layer.self_attn.last_seen = None
-        return self.backend.rms_norm(h, self.norm.weight, self.norm.eps)
+        return self.norm(h)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -174,6 +195,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As Llama's, after adding 1 to every norm weight (Gemma's norms scale by 1 + w)."""
         super().load_weights(
-            (name, tensor + 1 if name.endswith("norm.weight") else tensor)
+            (name, tensor.float() + 1 if name.endswith("norm.weight") else tensor)
             for name, tensor in weights
         )

@@ -63,16 +63,18 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             d = self.head_dim
-            q = self.backend.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps)
-            k = self.backend.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps)
-            q = q.view(t, self.num_heads, d)
-            k = k.view(t, self.num_kv_heads, d)
+            q = self.norm(q.reshape(-1, d), self.q_norm).view(t, self.num_heads, d)
+            k = self.norm(k.reshape(-1, d), self.k_norm).view(t, self.num_kv_heads, d)
         q, k = q.contiguous(), k.contiguous()
         self.backend.rotary(positions, q, k, rope, True)
         self.backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = self.attend(q, kv, meta, keep)
         o = o.reshape(o.shape[0], self.q_size)
         return self.backend.linear(o, self.o_proj.weight, self.o_proj.bias)
+
+    def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The per-head q / k norm (a model whose norms differ overrides this)."""
+        return self.backend.rms_norm(x, norm.weight, norm.eps)
 
     def attend(self, q, kv: KVCache, meta: AttentionMetadata, keep: OutputRows | None):
         """Causal attention of the rotated queries over the cache, for the ``keep`` rows
