@@ -79,7 +79,7 @@ def _post_routes(app: FastAPI, models: ModelSet) -> dict[str, Callable]:
         (
             "/tokenize",
             TokenizeRequest,
-            lambda b, call: tokenize(models.lookup(b.model or ""), b, call.headers),
+            lambda b, call: tokenize(models.lookup(b.model or ""), media, b, call.headers),
             "Tokenize",
         ),
         (

@@ -103,7 +103,7 @@ async def chat_completion(
 
 async def resolve_messages(media: MediaLoader | None, messages: list[ChatMessage]) -> list[dict]:
     """Chat messages for the template, their image URLs loaded (placeholders when
-    ``media`` is None: /tokenize counts without fetching)."""
+    ``media`` is None)."""
     urls = [
         p.image_url.url
         for m in messages

@@ -10,8 +10,10 @@ from gateway.chat_output import ChatOptions
 from gateway.core import GatewayCore
 from gateway.prepare import InvalidRequest
 from gateway.rest.chat import resolve_messages
+from gateway.rest.media import MediaLoader
 from gateway.rest.protocol import DetokenizeRequest, TokenizeRequest
 from services.chat import render_chat
+from services.models.image_grid import ImageOptions
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -42,21 +44,28 @@ def _tool_calling(config) -> dict | bool:
     return {"parser": config.tool_call_parser, "tool_choice": choices}
 
 
-async def tokenize(core: GatewayCore, req: TokenizeRequest, headers: dict) -> Response:
-    """Token ids as the model sees them (an image placeholder expanded per image token)."""
+async def tokenize(
+    core: GatewayCore, media: MediaLoader, req: TokenizeRequest, headers: dict
+) -> Response:
+    """Token ids as the model sees them: each image of the messages (loaded as a chat
+    request loads it) as many placeholder tokens as its size gives; in a raw prompt (no
+    images), each placeholder as a fixed grid's count (a size-dependent model's stay
+    single: no image, no size)."""
     core.preparer.check_model(req.model or "")
-    tok = core.tokenizer
+    tok, inputs = core.tokenizer, core.preparer.inputs
+    images: list = []
     if req.messages is not None:
-        messages = await resolve_messages(None, req.messages)
+        messages = await resolve_messages(media, req.messages)
         options = ChatOptions.of(req.tools, "none", template_kwargs=req.chat_template_kwargs)
         kwargs = {"tools": options.tools, **options.template_kwargs}
-        text, _ = render_chat(tok, messages, req.add_generation_prompt, **kwargs)
-        ids = core.preparer.inputs.encode_chat(text)
+        text, images = render_chat(tok, messages, req.add_generation_prompt, **kwargs)
+        ids = inputs.encode_chat(text)
     else:
-        spelled = core.preparer.inputs.spell_images(req.prompt)
-        ids = tok.encode(spelled, add_special_tokens=req.add_special_tokens)
+        ids = tok.encode(inputs.spell_images(req.prompt), add_special_tokens=req.add_special_tokens)
     image_id, per_image = core.info.image_token_id, core.info.tokens_per_image
-    if image_id is not None and per_image > 1:
+    if images:
+        ids = inputs.expand_images(ids, images, ImageOptions())[0]
+    elif image_id is not None and per_image > 1:
         ids = [t for i in ids for t in ([i] * per_image if i == image_id else [i])]
     body = {"count": len(ids), "max_model_len": core.info.max_model_len, "tokens": ids}
     return JSONResponse(body, headers=headers)

@@ -75,7 +75,7 @@ class InputProcessor:
             # Services that already hold the embeddings pass the spans the gateway made.
             ids, spans, images = list(ids), self.check_spans(ids, extra["image_spans"]), []
         else:
-            ids, spans, images = self._expand_images(list(ids), raw_images, options)
+            ids, spans, images = self.expand_images(list(ids), raw_images, options)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens, which leaves no room to generate in the "
@@ -133,7 +133,9 @@ class InputProcessor:
             return prompt["prompt"], None, list(images)
         raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids'")
 
-    def _expand_images(self, ids: list[int], raw_images: list, options: ImageOptions):
+    def expand_images(self, ids: list[int], raw_images: list, options: ImageOptions):
+        """(ids with each image's placeholder as its tokens, the images' spans, the
+        decoded images when this processor decodes them)."""
         tid = self.image_token_id
         n_ph = ids.count(tid) if tid is not None else 0
         if raw_images and tid is None:

@@ -215,3 +215,18 @@ async def _prompt_tokens(client, messages) -> int:
         model="", messages=messages, max_tokens=1, temperature=0
     )
     return out.usage.prompt_tokens
+
+
+async def test_tokenize_counts_each_image_by_its_size(stacks):
+    """/tokenize with images in the messages gives the prompt the model sees: as many
+    tokens as a completion's usage reports."""
+    import httpx
+
+    for stack in stacks:
+        messages = CASES["two-sizes"]
+        url = f"http://127.0.0.1:{stack.gateway.http_port}/tokenize"
+        async with httpx.AsyncClient() as http:
+            resp = await http.post(url, json={"messages": messages})
+        assert resp.status_code == 200, resp.text
+        got = resp.json()
+        assert got["count"] == await _prompt_tokens(_client(stack), messages)
