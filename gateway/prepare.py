@@ -153,15 +153,8 @@ class RequestPreparer:
             raise InvalidRequest(
                 "the request has no input: send chat messages, a prompt or prompt_token_ids"
             )
-        self._check_images(images)
-        processed = self.inputs.process(
-            {
-                "prompt": prompt,
-                "prompt_token_ids": prompt_token_ids,
-                "images": images,
-                "mm_processor_kwargs": mm_processor_kwargs,
-            },
-            add_special_tokens,
+        processed = self._process(
+            prompt, prompt_token_ids, images, mm_processor_kwargs, add_special_tokens
         )
         sp = self._params(params, len(processed.token_ids))
         raw = [bytes(im) for im in images]
@@ -182,6 +175,19 @@ class RequestPreparer:
             session_key=session_key,
             chat_key=chat_key,
             parsers=parsers,
+        )
+
+    def _process(self, prompt, prompt_token_ids, images, mm_processor_kwargs, special: bool):
+        """The prompt's token ids and image spans (image limits checked first)."""
+        self._check_images(images)
+        return self.inputs.process(
+            {
+                "prompt": prompt,
+                "prompt_token_ids": prompt_token_ids,
+                "images": images,
+                "mm_processor_kwargs": mm_processor_kwargs,
+            },
+            special,
         )
 
     def _chat(self, messages: list[dict], chat: ChatOptions, params: dict):
