@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import io
+import time
 
 import grpc
 import pytest
@@ -155,9 +156,18 @@ async def test_nats_restart_mid_streams_completes_or_fails_cleanly(tmp_path, red
         print(f"NATS restart mid-stream (down {down_s}s): {dict(counts)}")
         assert set(counts) <= {"ok", "UNAVAILABLE"}, counts
         assert done_at_restart < STREAMS  # not vacuous: the restart hit live streams
-        # After the restart: the fleet is back, new requests are served.
-        async with asyncio.timeout(WAIT_S):
-            await registry.wait_for(gw.core.backend.ready, WAIT_S)
+        # After the restart: the fleet is back, new requests are served. Back means a
+        # heartbeat from every worker since now: after an outage of the whole fleet the
+        # registry keeps the instances it last heard for a while (it takes the silence
+        # for a stall of its own), and a worker beats on the new server only once it has
+        # reconnected, with its subscriptions resent ahead of the beat.
+        since = time.monotonic()
+
+        def all_heard_again() -> bool:
+            infos = [i for role in ("prefill", "decode") for i in registry.live(role)]
+            return len(infos) == 3 and all(i.last_seen > since for i in infos)
+
+        await registry.wait_for(all_heard_again, WAIT_S)
         after = [text_request(100 + i, max_tokens=16) for i in range(4)]
         outs = await asyncio.gather(*(run(stub, r, []) for r in after))
         assert all(isinstance(o, list) and len(o) == 16 for o in outs), outs
