@@ -45,7 +45,7 @@ class DecodeService(EngineService):
     async def _register(self, llm: LLMEngine) -> None:
         m = llm.model
         layout = (
-            llm.loaded.num_layers,
+            llm.loaded.num_kv_layers,
             llm.config.block_size,
             m.num_kv_heads,
             m.head_dim,

@@ -43,7 +43,15 @@ def _cdiv(a: int, b: int) -> int:
 class BlockManager:
     """Owns block ids ``0 .. num_blocks - 1``: ref counts, hashes and the free list."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+    ):
+        """``num_state_slots``: hybrid models' recurrent-state slots, one handed out with
+        a request's first blocks and taken back with them (mamba_state.py)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -62,6 +70,8 @@ class BlockManager:
         # Prefix-cache accounting: tokens looked up vs tokens found (hit rate = hit/query).
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.uses_state = num_state_slots > 0
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))  # pop() takes slot 0 first
 
     # ----------------------------------------------------------------- inspection
 
@@ -182,6 +192,8 @@ class BlockManager:
         num_claimed_free = sum(1 for b in computed if self._ref_counts[b] == 0)
         if num_needed > len(self._free) - num_claimed_free:
             return False
+        if not self._take_slot(request):
+            return False
         if admitting:
             for block_id in computed:
                 self._claim(block_id)
@@ -199,7 +211,7 @@ class BlockManager:
         if request.block_ids:
             raise ValueError(f"request {request.request_id} already holds blocks")
         num_needed = _cdiv(num_tokens, self.block_size)
-        if num_needed > len(self._free):
+        if num_needed > len(self._free) or not self._take_slot(request):
             return None
         request.block_ids.extend(self._take_free() for _ in range(num_needed))
         self._num_hashed[request.request_id] = 0
@@ -215,6 +227,9 @@ class BlockManager:
                 self._free[block_id] = None
         request.block_ids.clear()
         self._num_hashed.pop(request.request_id, None)
+        if request.state_slot is not None:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = None
 
     def free_tail(self, request: Request, num_tokens: int) -> list[int]:
         """Give back the request's blocks beyond the first ``num_tokens`` tokens: the
@@ -238,6 +253,16 @@ class BlockManager:
         if hashed is not None:
             self._num_hashed[request.request_id] = min(hashed, keep)
         return tail
+
+    def _take_slot(self, request: Request) -> bool:
+        """A state slot for the request if the model keeps state and it has none yet;
+        False when every slot is held."""
+        if not self.uses_state or request.state_slot is not None:
+            return True
+        if not self._free_slots:
+            return False
+        request.state_slot = self._free_slots.pop()
+        return True
 
     def _claim(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:

@@ -21,6 +21,8 @@ class KVExports:
     def __init__(self, scheduler: Scheduler, kv: KVCachePool, runner: ModelRunner, block_size: int):
         self.scheduler, self.kv, self.runner, self.block_size = scheduler, kv, runner, block_size
         self.pending: set[str] = set()  # ids whose KV goes with their next sampled token
+        # A hybrid model's pools: its recurrent state travels after the KV blocks.
+        self.hybrid = None
         self._aux: dict[str, torch.Tensor] = {}  # id -> the draft head's last row [1, ...]
 
     def take(self, sampled: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -30,6 +32,8 @@ class KVExports:
             req = self.scheduler.get_request(rid)
             n = -(-req.num_tokens // self.block_size)
             out[rid] = self.kv.read_blocks(req.block_ids[:n], to_host=True)
+            if self.hybrid is not None:
+                out[rid] = self.hybrid.export(out[rid], req.state_slot)
             self.pending.discard(rid)
             rows = self.runner.take_aux_rows(rid)  # a draft head's: the last one travels
             if rows is not None:

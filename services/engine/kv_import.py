@@ -107,9 +107,14 @@ class KVImports:
         self, holder: Request, token_ids, num_prompt, first_token, params, kv_blocks, images
     ) -> Request:
         eng, bs = self.engine, self.engine.config.block_size
+        state = None
+        if eng.hybrid is not None:  # the recurrent state follows the KV blocks
+            if kv_blocks.dim() != 6 or kv_blocks.shape[2] <= eng.hybrid.state_blocks:
+                raise ValueError(f"KV blocks of shape {tuple(kv_blocks.shape)} lack the state")
+            kv_blocks, state = eng.hybrid.split(kv_blocks)
         expected = (
             2,
-            eng.loaded.num_layers,
+            eng.loaded.num_kv_layers,
             len(holder.block_ids),
             bs,
             eng.model.num_kv_heads,
@@ -133,7 +138,10 @@ class KVImports:
         if params.structured_outputs is not None:  # its matcher, past the tokens so far
             req.grammar = eng.grammars.matcher(params.structured_outputs, req.output_token_ids)
         eng.kv.write_blocks(holder.block_ids, kv_blocks)
+        if state is not None:
+            eng.hybrid.state.write(holder.state_slot, state)
         req.block_ids, holder.block_ids = holder.block_ids, []
+        req.state_slot, holder.state_slot = holder.state_slot, None
         req.num_computed_tokens = len(token_ids)
         try:
             eng.scheduler.add_request(req)

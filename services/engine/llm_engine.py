@@ -17,6 +17,7 @@ from services.engine.input_processor import InputProcessor
 from services.engine.kv_cache import KVCachePool
 from services.engine.kv_export import KVExports
 from services.engine.kv_import import KVImports
+from services.engine.mamba_state import HybridCache
 from services.engine.model_runner import ModelRunner, plain_greedy
 from services.engine.output_processor import RequestState
 from services.engine.parallel_sampling import ParallelSampling
@@ -70,9 +71,13 @@ class LLMEngine(EngineRequests):
             config.structured_outputs_backend,
         )
         self.max_model_len = lm.max_model_len
-        self.kv = self._make_kv_pool(lm)
+        self.hybrid = self._hybrid_cache(lm)
+        self.kv = self.hybrid.kv if self.hybrid is not None else self._make_kv_pool(lm)
         self.block_manager = BlockManager(
-            self.kv.num_blocks, config.block_size, config.enable_prefix_caching
+            self.kv.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching and self.hybrid is None,
+            num_state_slots=self.hybrid.state.num_slots if self.hybrid is not None else 0,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -84,7 +89,7 @@ class LLMEngine(EngineRequests):
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(lm.model, self.kv, self.backend, lm.device)
+        self.runner = ModelRunner(lm.model, self.kv, self.backend, lm.device, self.hybrid)
         spec = config.speculative_config
         self.spec = SpecDecoding.build(spec, lm, self.runner) if spec is not None else None
         self.inputs = InputProcessor(
@@ -99,6 +104,7 @@ class LLMEngine(EngineRequests):
         self.states: dict[str, RequestState] = {}
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
         self.exports = KVExports(self.scheduler, self.kv, self.runner, config.block_size)
+        self.exports.hybrid = self.hybrid
         self._rng = random.Random(config.seed)
         self.imports = KVImports(self)
 
@@ -116,6 +122,23 @@ class LLMEngine(EngineRequests):
                 f"beside a decode token of each of max_num_seqs - 1 other requests"
             )
         return True
+
+    def _hybrid_cache(self, lm: LoadedModel) -> HybridCache | None:
+        """The KV and state pools of a model with recurrent layers; None for the rest."""
+        if not getattr(lm.model, "num_state_layers", 0):
+            return None
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                "speculative decoding is not supported for hybrid (Mamba) models: rejected "
+                "drafts would have to be rolled back in the recurrent state"
+            )
+        if self.config.enable_prefix_caching:
+            log.info(
+                "prefix caching is off for %s: a hybrid model's recurrent state is not "
+                "kept at block boundaries (services/engine/mamba_state.py)",
+                lm.info.model_id,
+            )
+        return HybridCache.build(lm.model, self.config, lm.dtype, lm.device)
 
     def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
         c, m = self.config, lm.model

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.kv_cache import KVCachePool
+from services.engine.mamba_state import HybridCache
 from services.engine.request import Request
 from services.engine.sampler import sample
 from services.engine.spec.verify import num_accepted, verify_row, verify_rows
@@ -48,6 +49,8 @@ class StepInputs:
     # the last ones of its query), and (request id, first row, rows) of every request.
     drafts: list[list[int]] = field(default_factory=list)
     spans: list[tuple[str, int, int]] = field(default_factory=list)
+    # Hybrid models: each scheduled sequence's recurrent-state slot, [num_seqs] int64.
+    state_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -66,11 +69,22 @@ class VerifyOutput:
 
 
 class ModelRunner:
-    """Owns the model, the KV pool and per-request tensors (image embeddings, seeds)."""
+    """Owns the model, the KV pool and per-request tensors (image embeddings, seeds).
+    ``hybrid``: a hybrid model's KV and recurrent-state pools (mamba_state.py)."""
 
-    def __init__(self, model, kv: KVCachePool, backend: Backend, device: torch.device):
+    def __init__(
+        self,
+        model,
+        kv: KVCachePool,
+        backend: Backend,
+        device: torch.device,
+        hybrid: HybridCache | None = None,
+    ):
         self.model = model
         self.kv = kv
+        self.hybrid = hybrid
+        # What each layer of the model keeps (the model reads it by layer index).
+        self.layers = hybrid.layers if hybrid is not None else kv.layers
         self.backend = backend
         self.device = device
         self.block_size = kv.block_size
@@ -128,6 +142,7 @@ class ModelRunner:
         else:
             attn = attn_meta(qlens, seqlens, tables, slots, self.device)
         return StepInputs(
+            state_slots=self._state_slots(scheduled),
             input_ids=to_tensor(ids, torch.long, self.device),
             positions=to_tensor(pos, torch.long, self.device),
             attn=attn,
@@ -140,18 +155,29 @@ class ModelRunner:
             last_seen=images.last_seen(pos),
         )
 
+    def _state_slots(self, scheduled) -> torch.Tensor | None:
+        """Hybrid models: the scheduled sequences' state slots, those starting from their
+        first token reset to zero."""
+        if self.hybrid is None:
+            return None
+        fresh = [item.request.state_slot for item in scheduled if item.start == 0]
+        if fresh:
+            self.hybrid.state.reset(fresh)
+        slots = [item.request.state_slot for item in scheduled]
+        return to_tensor(slots, torch.long, self.device)
+
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of the out rows, and the aux rows of every row when asked for."""
         embeds = self.model.embed(step.input_ids)
         kw = place(embeds, step.mm_rows)
         if step.last_seen is not None:
             kw["last_seen"] = step.last_seen
+        if step.state_slots is not None:
+            kw["state_slots"] = step.state_slots
         pos = step.positions if step.rope_positions is None else step.rope_positions
         if not self.aux_layers:
-            return self.model(pos, embeds, self.kv.layers, step.attn, step.out_rows, **kw), None
-        hidden, aux = self.model(
-            pos, embeds, self.kv.layers, step.attn, None, self.aux_layers, **kw
-        )
+            return self.model(pos, embeds, self.layers, step.attn, step.out_rows, **kw), None
+        hidden, aux = self.model(pos, embeds, self.layers, step.attn, None, self.aux_layers, **kw)
         if step.out_rows is not None:
             hidden = hidden.index_select(0, step.out_rows.rows)
         return hidden, aux
@@ -290,7 +316,7 @@ class ModelRunner:
         step = self.prepare(scheduled)
         ids = [item.request.request_id for item in scheduled]
         tokens = self.model.decode_greedy(
-            step.input_ids, step.positions, self.kv.layers, step.attn, steps
+            step.input_ids, step.positions, self.layers, step.attn, steps
         )
         if tokens is None:
             tokens = self._burst_loop(step, steps)
@@ -299,12 +325,13 @@ class ModelRunner:
     def _burst_loop(self, step: StepInputs, steps: int) -> torch.Tensor:
         tokens, pos, meta = step.input_ids, step.positions, step.attn
         rope = pos if step.rope_positions is None else step.rope_positions  # [T]: decode
+        kw = {} if step.state_slots is None else {"state_slots": step.state_slots}
         out = []
         for s in range(steps):
             if s:
                 pos, rope = pos + 1, rope + 1
                 meta = next_decode_meta(meta, pos, self.block_size)
-            hidden = self.model(rope, self.model.embed(tokens), self.kv.layers, meta, None)
+            hidden = self.model(rope, self.model.embed(tokens), self.layers, meta, None, **kw)
             tokens = self.model.greedy_tokens(hidden)
             out.append(tokens)
         return torch.stack(out)

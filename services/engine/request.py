@@ -61,6 +61,8 @@ class Request:
     num_cached_tokens: int = 0
     # Block ids, in order; append-only while the request holds them.
     block_ids: list[int] = field(default_factory=list)
+    # Hybrid models: the slot of its recurrent state, held with its blocks (mamba_state.py).
+    state_slot: int | None = None
     # sha256 hex of each full block of all_token_ids, chained from the parent.
     block_hashes: list[str] = field(default_factory=list)
     num_preemptions: int = 0

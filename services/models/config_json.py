@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Gemma3ForConditionalGeneration",
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
+        "NemotronHForCausalLM",
     }
 )
 
@@ -52,6 +53,7 @@ _TEXT_DEFAULTS = {
         "use_sliding_window": False,
     },
     "mixtral": {"max_position_embeddings": 131072, "vocab_size": 32000, "eos_token_id": 2},
+    "nemotron_h": {"max_position_embeddings": 4096, "vocab_size": 131072, "eos_token_id": 2},
     "gemma3_text": {
         "max_position_embeddings": 131072,
         "vocab_size": 262208,
@@ -81,6 +83,35 @@ QWEN_VL_TEXT_TYPES = {"qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_tex
 # Decoders whose sliding-window layers apply the window themselves; for the others a
 # window caps the context (services/models/info.py max_model_len).
 _OWN_WINDOWS = frozenset({"gemma3_text"})
+
+
+# Nemotron-H's layer kinds by every name they go by: transformers' current ones, its
+# legacy ones, and the letters of ``hybrid_override_pattern``.
+_HYBRID_KINDS = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "M": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "*": "attention",
+    "mlp": "mlp",
+    "-": "mlp",
+    "moe": "moe",
+    "E": "moe",
+}
+
+
+def hybrid_layer_kinds(types: list[str] | None, pattern: str | None) -> list[str]:
+    """Each layer's mixer (mamba, attention, mlp or moe) from ``layers_block_type`` or
+    the older ``hybrid_override_pattern``; CheckpointError for a kind we do not run."""
+    kinds = list(types or pattern or [])
+    unknown = sorted({str(k) for k in kinds if k not in _HYBRID_KINDS})
+    if unknown or not kinds:
+        raise CheckpointError(
+            f"layers_block_type names layer kinds we do not run: {unknown or kinds}; "
+            f"known: {sorted(_HYBRID_KINDS)}"
+        )
+    return [_HYBRID_KINDS[k] for k in kinds]
 
 
 class UnsupportedModelError(CheckpointError):
@@ -130,6 +161,8 @@ def read_facts(cfg: dict) -> ConfigFacts:
         per_image = tokens_per_image(cfg)
     else:
         text = _with_defaults(cfg, _TEXT_DEFAULTS, "text")
+    if kind == "nemotron_h":  # before transformers reads the config (its error is vaguer)
+        hybrid_layer_kinds(cfg.get("layers_block_type"), cfg.get("hybrid_override_pattern"))
     window = text.get("sliding_window")
     if not text.get("use_sliding_window", True) or text["model_type"] in _OWN_WINDOWS:
         window = None

@@ -39,6 +39,11 @@ class LoadedModel:
         return self.info.text_config.num_hidden_layers
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers with paged KV: every layer, or a hybrid model's attention layers."""
+        return getattr(self.model, "num_kv_layers", self.num_layers)
+
+    @property
     def model_dir(self) -> Path:
         return self.info.model_dir
 

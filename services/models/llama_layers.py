@@ -29,6 +29,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # Rotary positions on q and k (Nemotron-H's attention layers have none).
+    rotary = True
+
     def __init__(self, cfg, backend: Backend, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.backend = backend
@@ -66,7 +69,8 @@ class Attention(nn.Module):
             q = self.norm(q.reshape(-1, d), self.q_norm).view(t, self.num_heads, d)
             k = self.norm(k.reshape(-1, d), self.k_norm).view(t, self.num_kv_heads, d)
         q, k = q.contiguous(), k.contiguous()
-        self.backend.rotary(positions, q, k, rope, True)
+        if self.rotary:
+            self.backend.rotary(positions, q, k, rope, True)
         self.backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = self.attend(q, kv, meta, keep)
         o = o.reshape(o.shape[0], self.q_size)

@@ -39,16 +39,57 @@ _PROJ = {
 }
 
 
-class MoEMLP(nn.Module):
-    """Top-k router + experts. ``normalize``: the k chosen probabilities rescaled to
-    sum to 1 (Mixtral always; Qwen3-MoE when ``norm_topk_prob``)."""
+class ExpertDispatch(nn.Module):
+    """Runs each token's ``top_k`` experts and sums their outputs by weight: the
+    grouping both MoE layer kinds share. A subclass gives ``expert_weights`` ([E, ...]
+    tensors, one slice an expert) and ``expert`` (one expert's forward on its rows)."""
+
+    def __init__(self, backend: Backend, top_k: int):
+        super().__init__()
+        self.backend, self.top_k = backend, top_k
+        # Each expert's weight slices as views made once: the CPU GEMM keeps a packed
+        # copy per weight tensor object, and a fresh view per call would repack it.
+        self.views: list[tuple[torch.Tensor, ...]] | None = None
+
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def expert(self, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """sum over k of weights[t, k] * expert[experts[t, k]](h[t]), per token t."""
+        if self.views is None:
+            self.views = list(zip(*(w.unbind(0) for w in self.expert_weights()), strict=True))
+        weights = weights.flatten()
+        out = torch.zeros_like(h)
+        if h.shape[0] == 1:  # batch-1 decode: the token's k experts, ascending, no grouping
+            picks = sorted(zip(experts[0].tolist(), range(self.top_k), strict=True))
+            for e, slot in picks:
+                out += self.expert(h, *self.views[e]) * weights[slot : slot + 1, None]
+            return out
+        # Group the (token, slot) pairs by expert, ascending; stable keeps token order.
+        order = torch.argsort(experts.flatten(), stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=len(self.views)).tolist()
+        tokens = order // self.top_k
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs, rows = order[start : start + n], tokens[start : start + n]
+            start += n
+            out.index_add_(0, rows, self.expert(h[rows], *self.views[e]) * weights[pairs, None])
+        return out
+
+
+class MoEMLP(ExpertDispatch):
+    """Top-k router + gated experts. ``normalize``: the k chosen probabilities rescaled
+    to sum to 1 (Mixtral always; Qwen3-MoE when ``norm_topk_prob``)."""
 
     def __init__(self, cfg, backend: Backend, num_experts: int, inter: int, normalize: bool):
-        super().__init__()
         if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
             raise CheckpointError(f"unsupported activation {cfg.hidden_act!r}")
-        self.backend = backend
-        self.top_k = cfg.num_experts_per_tok
+        super().__init__(backend, cfg.num_experts_per_tok)
         self.normalize = normalize
         self.inter = inter
         if not 0 < self.top_k <= num_experts:
@@ -57,11 +98,8 @@ class MoEMLP(nn.Module):
         # [E, out, in] with each expert's matrix column-major (W^T contiguous), as dense
         # layers keep theirs (weight_layout.py): the native GEMV reads it 1.5-1.8x faster
         # at 1-8 rows than row-major.
-        self.gate_up = nn.Parameter(_column_major(num_experts, 2 * inter, cfg.hidden_size))
-        self.down = nn.Parameter(_column_major(num_experts, cfg.hidden_size, inter))
-        # Each expert's (gate_up, down) as views made once: the CPU GEMM keeps a packed
-        # copy per weight tensor object, and a fresh view per call would repack it.
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.gate_up = nn.Parameter(column_major(num_experts, 2 * inter, cfg.hidden_size))
+        self.down = nn.Parameter(column_major(num_experts, cfg.hidden_size, inter))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.backend.linear(h, self.gate.weight)
@@ -69,28 +107,10 @@ class MoEMLP(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(h.dtype).flatten()
+        weights = weights.to(h.dtype)
         if self.backend.name == "triton":
-            return self._grouped(h, experts, weights)
-        if h.shape[0] == 1:  # batch-1 decode: the token's k experts, ascending, no grouping
-            picks = sorted(zip(experts[0].tolist(), range(self.top_k), strict=True))
-            out = torch.zeros_like(h)
-            for e, slot in picks:
-                out += self._expert(h, e) * weights[slot : slot + 1, None]
-            return out
-        # Group the (token, slot) pairs by expert, ascending; stable keeps token order.
-        order = torch.argsort(experts.flatten(), stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).tolist()
-        tokens = order // self.top_k
-        out = torch.zeros_like(h)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs, rows = order[start : start + n], tokens[start : start + n]
-            start += n
-            out.index_add_(0, rows, self._expert(h[rows], e) * weights[pairs, None])
-        return out
+            return self._grouped(h, experts, weights.flatten())
+        return self.combine(h, experts, weights)
 
     def _grouped(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """Every (token, expert) pair in two grouped GEMM launches (CUDA, triton_moe.py)."""
@@ -105,17 +125,17 @@ class MoEMLP(nn.Module):
         out.index_add_(0, rows[valid], y[valid] * weights[pairs[valid], None])
         return out
 
-    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        if self._views is None:
-            self._views = list(zip(self.gate_up.unbind(0), self.down.unbind(0), strict=True))
-        gate_up, down = self._views[e]
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up, self.down
+
+    def expert(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
         gate, up = self.backend.linear(x, gate_up).split(self.inter, dim=-1)
         return self.backend.linear(F.silu(gate) * up, down)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, name: str) -> str:
         """One expert's projection; returns its key for the completeness check."""
         target, shard = _PROJ[proj]
-        self._views = None
+        self.views = None
         param = getattr(self, target)[expert]
         if shard is not None:
             param = param.narrow(0, shard * self.inter, self.inter)
@@ -129,7 +149,7 @@ class MoEMLP(nn.Module):
         }
 
 
-def _column_major(experts: int, rows: int, cols: int) -> torch.Tensor:
+def column_major(experts: int, rows: int, cols: int) -> torch.Tensor:
     """[experts, rows, cols] whose every [rows, cols] slice has strides (1, rows)."""
     return torch.empty(experts, cols, rows).transpose(1, 2)
 

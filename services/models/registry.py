@@ -15,6 +15,7 @@ from services.models.llama import (
 )
 from services.models.llava import LlavaForConditionalGeneration
 from services.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from services.models.nemotron_h import NemotronHForCausalLM
 from services.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from services.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
@@ -30,6 +31,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

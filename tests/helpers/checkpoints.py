@@ -13,6 +13,16 @@ from services.models.demo import _build_tokenizer
 TEXT_ARCHS = ("llama", "qwen2", "qwen3", "mistral")  # the Llama family
 GEMMA_ARCHS = ("gemma3",)
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+# Mamba-2, attention, dense and mixture-of-experts layers in one stack (Nemotron-H).
+NEMOTRON_H_LAYERS = [
+    "linear_attention",
+    "moe",
+    "full_attention",
+    "linear_attention",
+    "mlp",
+    "linear_attention",
+    "moe",
+]
 
 
 def _text_config(kind: str, vocab: int, tok, **over):
@@ -21,6 +31,7 @@ def _text_config(kind: str, vocab: int, tok, **over):
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        NemotronHConfig,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -34,6 +45,7 @@ def _text_config(kind: str, vocab: int, tok, **over):
         "gemma3": Gemma3TextConfig,
         "qwen3_moe": Qwen3MoeConfig,
         "mixtral": MixtralConfig,
+        "nemotron_h": NemotronHConfig,
     }[kind]
     kw = dict(
         vocab_size=vocab,
@@ -74,6 +86,27 @@ def _text_config(kind: str, vocab: int, tok, **over):
         )
     if kind == "mixtral":
         kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+    if kind == "nemotron_h":
+        # Chunks of 8 tokens in the Mamba scan (prompts span several); grouped routing
+        # over 8 experts through a latent projection, with a shared expert.
+        kw.update(
+            layers_block_type=list(NEMOTRON_H_LAYERS),
+            num_hidden_layers=len(NEMOTRON_H_LAYERS),
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_latent_size=32,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+        )
     kw.update(over)
     return cls(**kw)
 
@@ -100,9 +133,22 @@ def make_text_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     _randomize(model, seed)
+    if kind == "nemotron_h":
+        _randomize_mamba(model, seed)
     model.generation_config.eos_token_id = tok.sep_token_id
     model.save_pretrained(str(out), max_shard_size="1MB" if shards else "10GB")
     return out
+
+
+def _randomize_mamba(model, seed: int) -> None:
+    """The vectors _randomize leaves at their init: decay rates, skips, routing biases."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("A_log", ".D")):
+                t.copy_(torch.rand(t.shape, generator=gen) * 2 - 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
 
 
 def make_llava_checkpoint(

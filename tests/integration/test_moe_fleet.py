@@ -1,6 +1,7 @@
-"""Qwen3-MoE and Mixtral through the E/P/D fleet and `serve all` over real NATS and
-Redis, called over gRPC with prompt token ids: token-identical to transformers (prefill
-on one instance, decode on another after the KV hand-off)."""
+"""Qwen3-MoE, Mixtral and Nemotron-H through the E/P/D fleet and `serve all` over real
+NATS and Redis, called over gRPC with prompt token ids: token-identical to transformers
+(prefill on one instance, decode on another after the KV hand-off; Nemotron-H's Mamba
+state goes with its KV, and a decode that started from any other state would drift)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ _rng = random.Random(3)
 PROMPTS = [[_rng.randrange(1000, 30000) for _ in range(n)] for n in (7, 40, 90)]
 
 
-@pytest.fixture(scope="module", params=MOE_ARCHS)
+@pytest.fixture(scope="module", params=(*MOE_ARCHS, "nemotron_h"))
 def ckpt(request, tmp_path_factory):
     return make_text_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 

@@ -70,6 +70,7 @@ def test_default_tables_are_transformers_defaults():
         LlavaConfig,
         MistralConfig,
         MixtralConfig,
+        NemotronHConfig,
         Qwen2_5_VLConfig,
         Qwen2Config,
         Qwen3Config,
@@ -91,6 +92,7 @@ def test_default_tables_are_transformers_defaults():
         "gemma3_text": Gemma3TextConfig,
         "qwen3_moe": Qwen3MoeConfig,
         "mixtral": MixtralConfig,
+        "nemotron_h": NemotronHConfig,
     }
     for table in (config_json._TEXT_DEFAULTS, config_json._VISION_DEFAULTS):
         for kind, defaults in table.items():
