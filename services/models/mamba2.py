@@ -98,10 +98,19 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._split(F.silu(out.squeeze(-1)).float())
         dt = self._dt(dt)  # [n, heads]
         decay = torch.exp(dt * -torch.exp(self.A_log.float()))
-        s = ssm_all[slots] * decay[..., None, None] + (dt[..., None] * b)[:, :, None] * x[..., None]
-        ssm_all[slots] = s.to(ssm_all.dtype)
-        y = (s @ c.unsqueeze(-1)).squeeze(-1) + x * self.D.float()[:, None]
-        return y.reshape(y.shape[0], self.inner)
+        n, h = x.shape[:2]
+        # state * decay + x (dt b)^T, in place: the state is the largest thing a step
+        # touches (heads x head_dim x state_size a layer), so it is passed over twice,
+        # not copied into temporaries. One sequence updates its slot where it lies.
+        s = ssm_all[int(slots[0])].unsqueeze(0) if n == 1 else ssm_all.index_select(0, slots)
+        s.mul_(decay[..., None, None])
+        flat = s.view(n * h, self.head_dim, self.state_size)
+        flat.baddbmm_(x.reshape(n * h, -1, 1), (dt[..., None] * b).reshape(n * h, 1, -1))
+        if n > 1:
+            ssm_all.index_copy_(0, slots, s)
+        y = torch.bmm(flat, c.reshape(n * h, -1, 1)).view(n, h, -1)
+        y = y + x * self.D.float()[:, None]
+        return y.reshape(n, self.inner)
 
     def _chunk(self, xbc, dt, state, slot: torch.Tensor) -> torch.Tensor:
         """One sequence's query of several tokens, from the slot's state: [q, inner]."""
