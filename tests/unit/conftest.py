@@ -36,6 +36,16 @@ def threads(request):
     torch.set_num_threads(old)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (the cpu backend then runs whole decode steps
+    natively)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def be(tmp_path_factory) -> CpuBackend:
     """The cpu backend with its native kernels built (a module's own build directory)."""

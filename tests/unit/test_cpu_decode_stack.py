@@ -25,14 +25,6 @@ CASES = [(kind, {}) for kind in TEXT_ARCHS] + [
 ]
 
 
-@pytest.fixture
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _llm(tiny_root, kind, over) -> LLM:
     path = make_text_checkpoint(tiny_root, kind, seed=10 + len(over), **over)
     llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, attention_backend="cpu")

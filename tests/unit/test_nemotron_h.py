@@ -63,14 +63,6 @@ def _run(llm, prompts, **sp):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
 
-@pytest.fixture
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_greedy_matches_transformers(backend, ckpt, hf, caplog):
     prompts = _prompts(4, (5, 17, 33, 50), seed=0)
