@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.kv_cache import KVCachePool
+from services.engine.mamba_state import HybridCache
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Scheduler
 
@@ -18,11 +19,18 @@ from services.engine.scheduler import Scheduler
 class KVExports:
     """The requests to export and what was copied for them; engine thread only."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCachePool, runner: ModelRunner, block_size: int):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: KVCachePool,
+        runner: ModelRunner,
+        block_size: int,
+        hybrid: HybridCache | None = None,
+    ):
+        """``hybrid``: a hybrid model's pools; its recurrent state travels after the KV."""
         self.scheduler, self.kv, self.runner, self.block_size = scheduler, kv, runner, block_size
+        self.hybrid = hybrid
         self.pending: set[str] = set()  # ids whose KV goes with their next sampled token
-        # A hybrid model's pools: its recurrent state travels after the KV blocks.
-        self.hybrid = None
         self._aux: dict[str, torch.Tensor] = {}  # id -> the draft head's last row [1, ...]
 
     def take(self, sampled: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -73,12 +73,7 @@ class LLMEngine(EngineRequests):
         self.max_model_len = lm.max_model_len
         self.hybrid = self._hybrid_cache(lm)
         self.kv = self.hybrid.kv if self.hybrid is not None else self._make_kv_pool(lm)
-        self.block_manager = BlockManager(
-            self.kv.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching and self.hybrid is None,
-            num_state_slots=self.hybrid.state.num_slots if self.hybrid is not None else 0,
-        )
+        self.block_manager = self._make_block_manager()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=self.step_tokens,
@@ -103,8 +98,9 @@ class LLMEngine(EngineRequests):
         )
         self.states: dict[str, RequestState] = {}
         self.parallel = ParallelSampling()  # n > 1 requests and their choices
-        self.exports = KVExports(self.scheduler, self.kv, self.runner, config.block_size)
-        self.exports.hybrid = self.hybrid
+        self.exports = KVExports(
+            self.scheduler, self.kv, self.runner, config.block_size, self.hybrid
+        )
         self._rng = random.Random(config.seed)
         self.imports = KVImports(self)
 
@@ -122,6 +118,16 @@ class LLMEngine(EngineRequests):
                 f"beside a decode token of each of max_num_seqs - 1 other requests"
             )
         return True
+
+    def _make_block_manager(self) -> BlockManager:
+        """Over the KV pool; a hybrid model's state slots with it, and no prefix cache."""
+        hybrid = self.hybrid
+        return BlockManager(
+            self.kv.num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching and hybrid is None,
+            num_state_slots=hybrid.state.num_slots if hybrid is not None else 0,
+        )
 
     def _hybrid_cache(self, lm: LoadedModel) -> HybridCache | None:
         """The KV and state pools of a model with recurrent layers; None for the rest."""
