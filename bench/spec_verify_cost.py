@@ -65,7 +65,7 @@ def _timer(llm: LLM, b: int, q: int, ctx: int, mode: str):
     model, kv, backend = llm.engine.model, llm.engine.kv, llm.engine.backend
     pos, meta, keep = _step(b, q, ctx, kv.block_size, kv.num_blocks, mode)
     h = torch.randn(b * q, model.config.hidden_size)
-    stack = model.model._stack(model.rope)
+    stack = model.model.native_stack(model.rope)
     native = NativeStack(backend.lib, max_rows=1 << 16)
 
     def run() -> float:

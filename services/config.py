@@ -46,6 +46,13 @@ class EngineConfig(Settings):
         choices=DTYPES,
     )
     device: str = setting("auto", doc="`auto` (CUDA when present), `cpu` or `cuda[:N]`.")
+    quantization: str | None = setting(
+        None,
+        doc="Quantize the text decoder's linear weights at load (docs/quantization.md): "
+        "`int8` (a scale per output channel) or `int4` (a scale and zero point per 128 "
+        "inputs); activations stay in `dtype`. Unset: the checkpoint's own weights.",
+        choices=("int8", "int4"),
+    )
     load_format: str = setting(
         "auto",
         doc="`auto` reads safetensors; `dummy` builds the architecture with random weights.",

@@ -38,6 +38,7 @@ from services.kernels.cpu_gemm import GEMM_MIN_ROWS, OneDnnGemm, prefer_mkldnn
 from services.kernels.cpu_head import ScreenedHead, bf16_linear_works, has_native_bf16
 from services.kernels.cpu_stack import NativeStack
 from services.kernels.metadata import AttentionMetadata, DecoderStack
+from services.kernels.quant import QuantizedWeight
 
 # Up to this many rows the native GEMV (and so the one-call decode step) beats oneDNN on a
 # weight-bound model: it loads each weight vector once for up to 32 rows (epd_gemv_rows.c).
@@ -230,7 +231,9 @@ class CpuBackend:
         return self._argmax(logits)
 
     # -- dense ops ------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None):
+        if isinstance(weight, QuantizedWeight):
+            return self._quantized(x, weight, bias)
         rows = x.shape[0]
         if x.dim() != 2 or x.dtype != _F32 or weight.dtype != _F32 or x.device.type != "cpu":
             return F.linear(x, weight, bias)
@@ -259,6 +262,47 @@ class CpuBackend:
         )
         if bias is not None and b is None:
             y += bias
+        return y
+
+    def _quantized(self, x, w: QuantizedWeight, bias) -> torch.Tensor:
+        """x @ W^T + bias with W's codes read by the native kernels (csrc/epd_quant.c)."""
+        n, k = w.shape
+        if (
+            x.dim() != 2
+            or x.shape[1] != k
+            or not _fp32(x, w.scale)
+            or (bias is not None and not _fp32(bias))
+            or not w.codes.is_cpu
+        ):
+            return ref.linear(x, w, bias)
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=_F32)
+        if m == 0:
+            return y
+        # Whole panels per thread; a weight of a few panels stays on one.
+        ranges = _bounds(self._split(w.codes.shape[0], 8))
+        if w.method == "int8":
+            self.lib.epd_par_qgemv_i8(
+                _ptr(y), _ptr(x), m, k, n, _ptr(w.codes), _ptr(w.scale), _ptr(bias), *ranges
+            )
+            return y
+        sums = torch.empty(m, k // w.group, dtype=_F32)
+        self.lib.epd_group_sums(_ptr(sums), _ptr(x), k, m, k, w.group)
+        self.lib.epd_par_qgemv_i4(
+            _ptr(y),
+            _ptr(x),
+            _ptr(sums),
+            m,
+            k,
+            n,
+            w.group,
+            _ptr(w.codes),
+            _ptr(w.scale),
+            _ptr(w.offset),
+            w.scale.shape[1],
+            _ptr(bias),
+            *ranges,
+        )
         return y
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-_UNITS = ("cpu", "gemv_rows", "attention", "extend", "team", "decode", "head", "parallel")
+_UNITS = ("cpu", "gemv_rows", "quant", "attention", "extend", "team", "decode", "head", "parallel")
 SOURCES = [CSRC / f"epd_{name}.c" for name in _UNITS]
 HEADERS = [CSRC / "epd_common.h", CSRC / "epd_team.h"]
 # -fno-trapping-math: GCC then if-converts the float clamps of exp_approx, so the exp loops
@@ -95,6 +95,12 @@ _SIGNATURES = {
         [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],
     ),
     "epd_par_gemv": (None, [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),
+    "epd_group_sums": (None, [_P, _P, _I64, _I64, _I64, _I64]),
+    "epd_par_qgemv_i8": (None, [_P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64]),
+    "epd_par_qgemv_i4": (
+        None,
+        [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64],
+    ),
     "epd_par_silu_mul": (None, [_P, _P, _I64, _P, _I64]),
     "epd_par_rms_norm": (None, [_P, _P, _P, _P, _P, _I64, _F, _P, _I64]),
     "epd_par_rotary": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _I64]),

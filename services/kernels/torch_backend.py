@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from services.kernels.metadata import AttentionMetadata, SamplingTensors
+from services.kernels.quant import QuantizedWeight
 
 _MASK64 = (1 << 64) - 1
 
@@ -263,7 +264,11 @@ def rotary(positions, query, key, cos_sin_cache, is_neox: bool) -> None:
     _rotate(key, cos, sin, is_neox)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+):
+    if isinstance(weight, QuantizedWeight):  # no kernel of its own here: a full copy per call
+        weight = weight.dequantize(x.dtype)
     return F.linear(x, weight, bias)
 
 

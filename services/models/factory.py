@@ -13,6 +13,7 @@ from services.config import EngineConfig
 from services.kernels.backend import Backend
 from services.models.info import ModelInfo
 from services.models.loader import init_dummy, iter_weights
+from services.models.quantize import quantize_linears
 from services.models.registry import resolve
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ def load_model(config: EngineConfig, backend: Backend) -> LoadedModel:
         init_dummy(model, config.seed)
     else:
         model.load_weights(iter_weights(model_dir))
+    if config.quantization:
+        quantize_linears(model, config.quantization)
     return LoadedModel(model.eval(), info, device, dtype)
 
 

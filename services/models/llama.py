@@ -78,9 +78,9 @@ class LlamaForCausalLM(nn.Module):
     def decode_greedy(self, tokens, positions, kv_caches, meta, steps: int):
         """``steps`` greedy decode steps from ``tokens`` in one backend call: [steps, B]
         token ids, or None when the backend has no such path (see Backend.decode_greedy)."""
-        if not self.model.dense:
+        stack = self.model.native_stack(self.rope)
+        if stack is None:
             return None
-        stack = self.model._stack(self.rope)
         return self.model.backend.decode_greedy(
             stack,
             self.model.embed_tokens.weight,

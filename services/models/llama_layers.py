@@ -167,10 +167,9 @@ class DecoderModel(nn.Module):
         """
         if aux_layers and keep is not None:
             raise ValueError("aux hidden states are captured for every row (no keep)")
-        if keep is None and meta.is_decode_only and layer_adds is None and self.dense:
-            out = self.backend.decode_stack(
-                self._stack(rope), positions, h, kv_caches, meta, aux_layers
-            )
+        stack = self.native_stack(rope) if keep is None and meta.is_decode_only else None
+        if stack is not None and layer_adds is None:
+            out = self.backend.decode_stack(stack, positions, h, kv_caches, meta, aux_layers)
             if out is not None:
                 return out
         residual = None
@@ -187,7 +186,11 @@ class DecoderModel(nn.Module):
             return h, torch.cat([captured[i] for i in aux_layers], dim=-1)
         return h
 
-    def _stack(self, rope: torch.Tensor) -> DecoderStack:
+    def native_stack(self, rope: torch.Tensor) -> DecoderStack | None:
+        """The layers as one DecoderStack for ``Backend.decode_stack``; None where they are
+        not all dense with full-precision weights (the step then runs layer by layer)."""
+        if not self.dense or not isinstance(self.layers[0].mlp.down_proj.weight, torch.Tensor):
+            return None
         if self.stack is None or self.stack.rope is not rope:
             self.stack = DecoderStack(
                 layers=[_layer_weights(layer) for layer in self.layers],

@@ -30,7 +30,7 @@ def _one_on(meta: AttentionMetadata, s: int) -> tuple[AttentionMetadata, torch.T
 
 def _parts(llm):
     model = llm.engine.model
-    stack = model.model._stack(model.rope)
+    stack = model.model.native_stack(model.rope)
     return model, stack, model.model.embed_tokens.weight, model._head(), llm.engine.backend
 
 

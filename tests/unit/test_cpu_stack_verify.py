@@ -101,7 +101,7 @@ def test_aux_layers_from_the_native_step(tiny_root, threads, kind, aux_layers):
     caches_a, caches_b = _caches(kv, gen)
     with torch.inference_mode():
         fused = llm.engine.backend.decode_stack(
-            model.model._stack(model.rope), pos, h, caches_a, meta, aux_layers
+            model.model.native_stack(model.rope), pos, h, caches_a, meta, aux_layers
         )
         saved = llm.engine.backend.decode_stack
         llm.engine.backend.decode_stack = lambda *a: None
@@ -119,7 +119,7 @@ def test_aux_layers_it_cannot_take(tiny_root):
     """A layer the stack lacks, or one named twice: left to the layer path."""
     llm = _llm(tiny_root, "llama", {})
     model, kv, be = llm.engine.model, llm.engine.kv, llm.engine.backend
-    stack = model.model._stack(model.rope)
+    stack = model.model.native_stack(model.rope)
     meta, pos = _step([5], kv.num_blocks, torch.Generator().manual_seed(0))
     h = torch.randn(1, model.config.hidden_size)
     n = len(stack.layers)

@@ -168,6 +168,14 @@ int epd_gemv_rows(float *y, int64_t ldy, const float *x, const float *wt, int64_
                   const float *bias, int64_t m, int64_t k, int64_t n);
 void epd_gemv_rm(float *y, int64_t ldy, const float *x, const float *w, int64_t ldw,
                  const float *bias, int64_t m, int64_t k, int64_t n);
+void epd_qgemv_i8(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t m, int64_t k,
+                  int64_t n, const int8_t *qw, const float *scale, const float *bias, int64_t p0,
+                  int64_t p1);
+void epd_group_sums(float *xs, const float *x, int64_t ldx, int64_t m, int64_t k, int64_t group);
+void epd_qgemv_i4(float *y, int64_t ldy, const float *x, int64_t ldx, const float *xs,
+                  int64_t m, int64_t k, int64_t n, int64_t group, const uint8_t *qw,
+                  const float *scale, const float *offset, int64_t lds, const float *bias,
+                  int64_t p0, int64_t p1);
 void epd_argmax(int64_t *out, const float *x, int64_t m, int64_t n);
 int64_t epd_screen_argmax(int64_t *out, const uint16_t *s, const float *x, const float *w,
                           const float *wn, const float *dwn, const float *p, const float *q,

@@ -70,6 +70,23 @@ void epd_par_gemv(float *y, const float *x, const float *w, const float *bias, i
     }
 }
 
+/* epd_qgemv_i8 / epd_qgemv_i4 (epd_quant.c) with the panels split. */
+void epd_par_qgemv_i8(float *y, const float *x, int64_t m, int64_t k, int64_t n,
+                      const int8_t *qw, const float *scale, const float *bias, const int64_t *b,
+                      int64_t nr) {
+    RANGES
+    for (int64_t r = 0; r < nr; r++) epd_qgemv_i8(y, n, x, k, m, k, n, qw, scale, bias, b[r], b[r + 1]);
+}
+
+void epd_par_qgemv_i4(float *y, const float *x, const float *xs, int64_t m, int64_t k,
+                      int64_t n, int64_t group, const uint8_t *qw, const float *scale,
+                      const float *offset, int64_t lds, const float *bias, const int64_t *b,
+                      int64_t nr) {
+    RANGES
+    for (int64_t r = 0; r < nr; r++)
+        epd_qgemv_i4(y, n, x, k, xs, m, k, n, group, qw, scale, offset, lds, bias, b[r], b[r + 1]);
+}
+
 void epd_par_silu_mul(float *out, const float *x, int64_t h, const int64_t *b, int64_t nr) {
     RANGES
     for (int64_t r = 0; r < nr; r++)

@@ -1,0 +1,79 @@
+"""``quantization="int8" | "int4"``: the engine with quantized linears against transformers
+running the same checkpoint with each of those weights replaced by its dequantized codes
+(the arithmetic the kernels do, in full precision): greedy tokens identical, logprobs close.
+
+Prompts of several lengths in one batch (multi-row products), a token budget that chunks
+the prefills, and a repeated prompt (prefix caching) all go through the quantized layers.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from services.llm import LLM
+from services.models.quantize import QuantLinear
+from services.sampling_params import SamplingParams
+from tests.helpers.checkpoints import make_text_checkpoint
+from tests.helpers.reference import hf_greedy, load_hf
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 10
+PROMPTS = [[5 + (i * 37 + j * 11) % 900 for j in range(n)] for i, n in enumerate((3, 17, 40, 9))]
+
+
+def _dequantized_hf(ckpt, method: str):
+    """transformers' model of ckpt, its linears (not the head, not a router) replaced by
+    their quantized-then-dequantized weights."""
+    from services.kernels.quant import quantize
+
+    hf = load_hf(ckpt)
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in ("lm_head", "gate"):
+                mod.weight.copy_(quantize(mod.weight, method).dequantize())
+    return hf
+
+
+CASES = [
+    ("llama", "int8", "cpu"),
+    ("llama", "int4", "cpu"),
+    ("llama", "int4", "torch"),
+    ("nemotron_h", "int8", "cpu"),
+    ("nemotron_h", "int4", "cpu"),
+]
+
+
+@pytest.mark.parametrize("kind,method,backend", CASES)
+def test_greedy_matches_transformers_on_dequantized_weights(
+    tmp_path_factory, kind, method, backend
+):
+    ckpt = make_text_checkpoint(tmp_path_factory.getbasetemp() / "quant", kind)
+    hf = _dequantized_hf(ckpt, method)
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    llm = LLM(
+        str(ckpt),
+        quantization=method,
+        attention_backend=backend,
+        block_size=4,
+        num_kv_blocks=256,
+        max_num_batched_tokens=24,
+    )
+    model = llm.engine.loaded.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert quantized and all(m.method == method for m in quantized)
+    assert not isinstance(getattr(model, "lm_head", None), QuantLinear)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+    for _ in range(2):  # the second time the llama prompts come from the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for out, (ids, top) in zip(outs, refs, strict=True):
+            comp = out.outputs[0]
+            assert comp.token_ids == ids
+            for ours, theirs in zip(comp.logprobs, top, strict=False):
+                for tid, lp in theirs:
+                    assert abs(ours[tid].logprob - lp) < 2e-3
+
+
+def test_unknown_method_is_a_clear_error(llama_ckpt):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(llama_ckpt), quantization="fp4")
