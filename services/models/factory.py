@@ -14,6 +14,7 @@ from services.kernels.backend import Backend
 from services.models.info import ModelInfo
 from services.models.loader import init_dummy, iter_weights
 from services.models.quantize import quantize_linears
+from services.models.quantized_checkpoint import apply_grids, read_grids, scheme_of
 from services.models.registry import resolve
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,15 @@ def load_model(config: EngineConfig, backend: Backend) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     max_len = info.max_model_len
     model = _build(lambda: cls(hf_config, backend, max_len), device, dtype)
+    scheme = scheme_of(hf_config)
+    if scheme is not None and config.quantization:
+        raise ValueError(f"{info.model_id} is quantized already: leave --quantization unset")
     if config.load_format == "dummy":
         init_dummy(model, config.seed)
+    elif scheme is not None:
+        weights, grids = read_grids(iter_weights(model_dir), scheme)
+        model.load_weights(weights)
+        apply_grids(model, grids)
     else:
         model.load_weights(iter_weights(model_dir))
     if config.quantization:

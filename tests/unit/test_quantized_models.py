@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from services.llm import LLM
+from services.models.checkpoint import CheckpointError
 from services.models.quantize import QuantLinear
 from services.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_text_checkpoint
+from tests.helpers.compressed_tensors import write_compressed
 from tests.helpers.reference import hf_greedy, load_hf
 
 pytestmark = pytest.mark.slow
@@ -77,3 +79,48 @@ def test_greedy_matches_transformers_on_dequantized_weights(
 def test_unknown_method_is_a_clear_error(llama_ckpt):
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(llama_ckpt), quantization="fp4")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compressed_tensors_checkpoint_loads_its_own_codes(tmp_path_factory, bits):
+    root = tmp_path_factory.getbasetemp() / "quant"
+    src = make_text_checkpoint(root, "llama")
+    ckpt, twin = write_compressed(src, root / f"llama-w{bits}", bits)
+    refs = [hf_greedy(load_hf(twin), p, MAX_NEW) for p in PROMPTS]
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=256)
+    layers = llm.engine.loaded.model.model.layers
+    qkv = layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.method == f"int{bits}"
+    if bits == 4:
+        assert qkv.group == 32  # the checkpoint's groups, not ours
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for out, (ids, top) in zip(outs, refs, strict=True):
+        assert out.outputs[0].token_ids == ids
+        for ours, theirs in zip(out.outputs[0].logprobs, top, strict=False):
+            for tid, lp in theirs:
+                assert abs(ours[tid].logprob - lp) < 2e-3
+    with pytest.raises(ValueError, match="quantized already"):
+        LLM(str(ckpt), quantization="int8")
+
+
+@pytest.mark.parametrize(
+    "qc,match",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        (
+            {"quant_method": "compressed-tensors", "format": "float-quantized"},
+            "format 'float-quantized'",
+        ),
+    ],
+)
+def test_quantization_we_cannot_run_is_a_clear_error(tmp_path, llama_ckpt, qc, match):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "q"
+    shutil.copytree(llama_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
+    with pytest.raises(CheckpointError, match=match):
+        LLM(str(ckpt))
