@@ -10,6 +10,7 @@ backend serves (``load`` returns None and says why).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -253,6 +254,15 @@ def keep_freed_memory() -> bool:
     ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
     ok &= libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     return bool(ok)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free memory back to the OS once (glibc's malloc_trim): after a
+    model's full-precision weights are replaced by quantized ones, which
+    ``keep_freed_memory`` would otherwise keep in the heap for good."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def load(cache_dir: str | os.PathLike, compiler: str = "cc") -> ctypes.CDLL | None:

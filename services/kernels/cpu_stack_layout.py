@@ -1,5 +1,5 @@
 """A decode step's DecoderStack as the native step (``csrc/epd_decode.c``) takes it: the
-checked [layers, 14] pointer table with the step's scratch buffers (``StackPointers``),
+checked [layers, 18] pointer table with the step's scratch buffers (``StackPointers``),
 and where the outputs of chosen layers are copied (``AuxOut``). ``NativeStack``
 (cpu_stack.py) runs the step over them."""
 
@@ -12,32 +12,66 @@ import torch
 from services.kernels.cpu_native import fp32 as _fp32
 from services.kernels.cpu_native import ptr as _ptr
 from services.kernels.metadata import DecoderStack
+from services.kernels.quant import QuantizedWeight
 
 _F32 = torch.float32
 
 
-def _layer_pointers(w, kc, vc) -> list[int | None]:
-    """One layer's row of the table, in the order csrc/epd_decode.c reads it."""
+def _layer_pointers(w, kc, vc, descriptors: list) -> list[int | None]:
+    """One layer's row of the table, in the order csrc/epd_decode.c reads it; the
+    descriptors of its quantized linears are appended to ``descriptors`` (kept alive)."""
+
+    def weight(t):
+        return None if isinstance(t, QuantizedWeight) else _ptr(t)
+
+    def quantized(t):
+        if not isinstance(t, QuantizedWeight):
+            return None
+        d = torch.tensor(
+            [
+                8 if t.method == "int8" else 4,
+                t.group,
+                t.scale.shape[-1],
+                _ptr(t.codes),
+                _ptr(t.scale),
+                _ptr(t.offset) or 0,
+            ],
+            dtype=torch.int64,
+        )
+        descriptors.append(d)
+        return _ptr(d)
+
     return [
         _ptr(w.input_norm),
-        _ptr(w.qkv),
+        weight(w.qkv),
         _ptr(w.qkv_bias),
         _ptr(w.q_norm),
         _ptr(w.k_norm),
-        _ptr(w.o),
+        weight(w.o),
         _ptr(w.o_bias),
         _ptr(w.post_norm),
-        _ptr(w.gate_up),
+        weight(w.gate_up),
         _ptr(w.gate_up_bias),
-        _ptr(w.down),
+        weight(w.down),
         _ptr(w.down_bias),
         _ptr(kc),
         _ptr(vc),
+        quantized(w.qkv),
+        quantized(w.o),
+        quantized(w.gate_up),
+        quantized(w.down),
     ]
 
 
+def _readable(m, n: int, k: int) -> bool:
+    """A linear weight [n, k] the native step reads: W^T fp32, or quantized codes on CPU."""
+    if isinstance(m, QuantizedWeight):
+        return m.shape == (n, k) and m.codes.is_cpu and _fp32(m.scale)
+    return m.dtype is _F32 and m.shape == (n, k) and m.stride() == (1, n)
+
+
 class StackPointers:
-    """A DecoderStack and KV caches as the native step takes them: a [layers, 14] table of
+    """A DecoderStack and KV caches as the native step takes them: a [layers, 18] table of
     addresses, checked once. Holds the tensors, so the addresses stay valid."""
 
     def __init__(self, stack: DecoderStack, kv_caches, lib: ctypes.CDLL):
@@ -63,7 +97,7 @@ class StackPointers:
             and s.final_norm.shape == (hid,)
             and hq % hkv == 0
         )
-        rows = []
+        rows, self._descriptors = [], []
         for w, (kc, vc) in zip(s.layers, kv_caches, strict=False):
             if not self.ok:
                 break
@@ -84,16 +118,13 @@ class StackPointers:
                 (w.k_norm, d),
             ]
             self.ok = (
-                all(
-                    m.dtype is _F32 and m.shape == (n, k) and m.stride() == (1, n)
-                    for m, n, k in mats
-                )
+                all(_readable(m, n, k) for m, n, k in mats)
                 and all(v is None or (_fp32(v) and v.shape == (n,)) for v, n in vecs)
                 and (w.q_norm is None) == (w.k_norm is None)
                 and _fp32(kc, vc)
                 and kc.shape == vc.shape == cache_shape
             )
-            rows.append(_layer_pointers(w, kc, vc))
+            rows.append(_layer_pointers(w, kc, vc, self._descriptors))
         self.table = torch.tensor([[p or 0 for p in r] for r in rows], dtype=torch.int64)
         self.dims = [hid, hq, hkv, d, inter, rot, s.rope.shape[0], self.num_blocks, self.block_size]
         self._buffers: tuple | None = None

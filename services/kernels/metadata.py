@@ -70,8 +70,9 @@ class SamplingTensors:
 
 @dataclass
 class DecoderLayerWeights:
-    """One Llama-family layer. Linear weights are [out, in] as ``F.linear`` takes them;
-    the fused projections are qkv (q | k | v) and gate_up (gate | up)."""
+    """One Llama-family layer. Linear weights are [out, in] as ``F.linear`` takes them, or
+    ``QuantizedWeight``s (``Backend.linear`` takes either); the fused projections are qkv
+    (q | k | v) and gate_up (gate | up)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from torch import nn
 
 from services.config import EngineConfig
 from services.kernels.backend import Backend
+from services.kernels.cpu_native import return_freed_memory
 from services.models.info import ModelInfo
 from services.models.loader import init_dummy, iter_weights
 from services.models.quantize import quantize_linears
@@ -103,6 +105,9 @@ def load_model(config: EngineConfig, backend: Backend) -> LoadedModel:
         model.load_weights(iter_weights(model_dir))
     if config.quantization:
         quantize_linears(model, config.quantization)
+    if scheme is not None or config.quantization:
+        gc.collect()  # the full-precision weights the quantized ones replaced
+        return_freed_memory()
     return LoadedModel(model.eval(), info, device, dtype)
 
 

@@ -188,8 +188,8 @@ class DecoderModel(nn.Module):
 
     def native_stack(self, rope: torch.Tensor) -> DecoderStack | None:
         """The layers as one DecoderStack for ``Backend.decode_stack``; None where they are
-        not all dense with full-precision weights (the step then runs layer by layer)."""
-        if not self.dense or not isinstance(self.layers[0].mlp.down_proj.weight, torch.Tensor):
+        not all dense (the step then runs layer by layer)."""
+        if not self.dense:
             return None
         if self.stack is None or self.stack.rope is not rope:
             self.stack = DecoderStack(

@@ -25,9 +25,15 @@ CASES = [(kind, {}) for kind in TEXT_ARCHS] + [
 ]
 
 
-def _llm(tiny_root, kind, over) -> LLM:
+def _llm(tiny_root, kind, over, quantization=None) -> LLM:
     path = make_text_checkpoint(tiny_root, kind, seed=10 + len(over), **over)
-    llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, attention_backend="cpu")
+    llm = LLM(
+        str(path),
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        attention_backend="cpu",
+        quantization=quantization,
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # norms are ones in a fresh checkpoint: make them count
         for name, p in llm.engine.model.named_parameters():
@@ -84,7 +90,17 @@ def _run(model, positions, h, caches, meta, fused: bool):
 )
 @pytest.mark.parametrize("rows", [1, 4, 9])  # 9: the GEMV's column tiles
 def test_fused_step_matches_layer_by_layer(tiny_root, threads, kind, over, rows):
-    llm = _llm(tiny_root, kind, over)
+    _check_fused_step(_llm(tiny_root, kind, over), rows, exact=threads == 1)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_fused_step_with_quantized_weights(tiny_root, threads, method, rows):
+    # Each quantized output is summed whole by one thread: the same bits in a team too.
+    _check_fused_step(_llm(tiny_root, "qwen3", {}, method), rows, exact=True)
+
+
+def _check_fused_step(llm: LLM, rows: int, exact: bool) -> None:
     model, kv = llm.engine.model, llm.engine.kv
     gen = torch.Generator().manual_seed(rows)
     lens = [int(x) for x in torch.randint(1, 40, (rows,), generator=gen)]
@@ -107,7 +123,7 @@ def test_fused_step_matches_layer_by_layer(tiny_root, threads, kind, over, rows)
             lib.epd_par_decode_stack = native
         ref = _run(model, positions, h, caches_b, meta, fused=False)
     assert calls, "the native step did not run"
-    if threads == 1:  # the same kernels in the same order: the same bits
+    if exact:  # the same kernels in the same order: the same bits
         assert torch.equal(fused, ref)
         for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
@@ -150,7 +166,7 @@ def test_left_to_the_layer_path(tiny_root, one_thread):
     """More rows than the GEMV takes, a prefill row, or another dtype: no native step."""
     llm = _llm(tiny_root, "llama", {})
     model, kv, be = llm.engine.model, llm.engine.kv, llm.engine.backend
-    stack = model.model._stack(model.rope)
+    stack = model.model.native_stack(model.rope)
     gen = torch.Generator().manual_seed(0)
     n = GEMV_MAX_ROWS + 1
     meta, pos = _step([3] * n, kv.num_blocks, gen)
@@ -172,7 +188,7 @@ def test_a_missing_teammate_fails_the_step(tiny_root):
     try:
         llm = _llm(tiny_root, "llama", {})
         model, kv = llm.engine.model, llm.engine.kv
-        stack = model.model._stack(model.rope)
+        stack = model.model.native_stack(model.rope)
         meta, pos = _step([5], kv.num_blocks, torch.Generator().manual_seed(0))
         h = torch.randn(1, model.config.hidden_size)
         lib = llm.engine.backend.lib

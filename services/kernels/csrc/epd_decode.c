@@ -16,11 +16,42 @@
 #include "epd_team.h"
 
 /* Per-layer pointers, in this order (0 where a model has no such tensor). Weights are
- * W^T row-major ([in, out]), the layout models keep on CPU. */
+ * W^T row-major ([in, out]), the layout models keep on CPU, or quantized: then the
+ * linear's L_*_Q entry points at its descriptor (see linear_team) and its W^T entry is 0. */
 enum {
     L_IN_NORM, L_QKV_WT, L_QKV_B, L_Q_NORM, L_K_NORM, L_O_WT, L_O_B, L_POST_NORM,
-    L_GU_WT, L_GU_B, L_DOWN_WT, L_DOWN_B, L_K_CACHE, L_V_CACHE, L_NPTR
+    L_GU_WT, L_GU_B, L_DOWN_WT, L_DOWN_B, L_K_CACHE, L_V_CACHE,
+    L_QKV_Q, L_O_Q, L_GU_Q, L_DOWN_Q, L_NPTR
 };
+
+#define P(l, i) ((const float *)(intptr_t)(l)[i])
+
+/* A quantized linear's descriptor: int64 [bits, group, scale stride, codes, scale, offset]
+ * (services/kernels/quant.py; csrc/epd_quant.c). */
+enum { Q_BITS, Q_GROUP, Q_LDS, Q_CODES, Q_SCALE, Q_OFFSET };
+
+/* y [m, n] = x [m, k] @ W^T + bias by the team: the fp32 GEMV split by weight rows
+ * (epd_gemv_team), or a quantized weight's panels split between the threads (each
+ * output element summed whole by one thread, as epd_par_qgemv_* sums it). */
+static int64_t linear_team(float *y, const float *x, const int64_t *L, int wt, int b, int q,
+                           int64_t m, int64_t k, int64_t n, const team_t *tm, int64_t tid,
+                           int64_t nt) {
+    const float *bias = P(L, b);
+    if (!L[q]) return epd_gemv_team(y, x, P(L, wt), bias, m, k, n, tm, tid, nt);
+    const int64_t *dq = (const int64_t *)(intptr_t)L[q], panels = (n + 15) / 16;
+    const int64_t p0 = panels * tid / nt, p1 = panels * (tid + 1) / nt;
+    const float *scale = (const float *)(intptr_t)dq[Q_SCALE];
+    if (dq[Q_BITS] == 8) {
+        epd_qgemv_i8(y, n, x, k, m, k, n, (const int8_t *)(intptr_t)dq[Q_CODES], scale, bias, p0,
+                     p1);
+        return 0;
+    }
+    float *sums = tm->xs + tid * tm->xs_stride; /* m * k / group floats */
+    epd_group_sums(sums, x, k, m, k, dq[Q_GROUP]);
+    epd_qgemv_i4(y, n, x, k, sums, m, k, n, dq[Q_GROUP], (const uint8_t *)(intptr_t)dq[Q_CODES],
+                 scale, (const float *)(intptr_t)dq[Q_OFFSET], dq[Q_LDS], bias, p0, p1);
+    return 0;
+}
 
 /* Sizes, in this order. */
 enum {
@@ -28,7 +59,6 @@ enum {
     D_BLOCK, D_TABLE_STRIDE, D_TABLE_WIDTH, D_LAYERS, D_NDIMS
 };
 
-#define P(l, i) ((const float *)(intptr_t)(l)[i])
 
 /* The step's indices are read as raw offsets below: check them all first. */
 static int check_step(const int64_t *dm, const int64_t *pos, const int64_t *slots,
@@ -57,8 +87,8 @@ int64_t epd_decode_scratch(const int64_t *dm, int64_t nt) {
     const int64_t qs = dm[D_HQ] * dm[D_HEAD], kvs = dm[D_HKV] * dm[D_HEAD];
     /* row ids (2 floats each), resid, x, qkv, q, k, att, o, gate_up, act */
     const int64_t own = 2 * m + m * (2 * hid + (qs + 2 * kvs) + qs + kvs + qs + hid + 3 * inter);
-    if (nt == 1) return own;
-    /* per thread: a partial output as wide as the widest GEMV, and its slice of x */
+    /* per thread: a partial output as wide as the widest GEMV, and its slice of x (at one
+     * thread only the latter is used: an int4 linear's group sums, see linear_team) */
     return own + nt * m * (max3(qs + 2 * kvs, hid, 2 * inter) + max3(hid, qs, inter));
 }
 
@@ -133,7 +163,7 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
             }
         }
         if ((err = epd_team_sync(sync, nt))) break;
-        err = epd_gemv_team(qkv, x, P(L, L_QKV_WT), P(L, L_QKV_B), m, hid, qkvw, &tm, tid, nt);
+        err = linear_team(qkv, x, L, L_QKV_WT, L_QKV_B, L_QKV_Q, m, hid, qkvw, &tm, tid, nt);
         if (err || (err = epd_team_sync(sync, nt))) break;
         float *kc = (float *)(intptr_t)L[L_K_CACHE], *vc = (float *)(intptr_t)L[L_V_CACHE];
         for (int64_t i = tid; i < m; i += nt) {
@@ -159,18 +189,18 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
                                      rows + i, 1, hq, hkv, d, bs, scale))
                 epd_team_fail(sync, -1);
         if ((err = epd_team_sync(sync, nt))) break;
-        err = epd_gemv_team(o, att, P(L, L_O_WT), P(L, L_O_B), m, qs, hid, &tm, tid, nt);
+        err = linear_team(o, att, L, L_O_WT, L_O_B, L_O_Q, m, qs, hid, &tm, tid, nt);
         if (err || (err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             epd_rms_norm(x + i * hid, resid + i * hid, o + i * hid, resid + i * hid,
                          P(L, L_POST_NORM), 1, hid, eps);
         if ((err = epd_team_sync(sync, nt))) break;
-        err = epd_gemv_team(gu, x, P(L, L_GU_WT), P(L, L_GU_B), m, hid, 2 * inter, &tm, tid, nt);
+        err = linear_team(gu, x, L, L_GU_WT, L_GU_B, L_GU_Q, m, hid, 2 * inter, &tm, tid, nt);
         if (err || (err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
             epd_silu_mul(act + i * inter, gu + i * 2 * inter, 1, inter);
         if ((err = epd_team_sync(sync, nt))) break;
-        err = epd_gemv_team(o, act, P(L, L_DOWN_WT), P(L, L_DOWN_B), m, inter, hid, &tm, tid, nt);
+        err = linear_team(o, act, L, L_DOWN_WT, L_DOWN_B, L_DOWN_Q, m, inter, hid, &tm, tid, nt);
         if (err || (err = epd_team_sync(sync, nt))) break;
         cur = o;
         /* The layer's output, MLP output + residual as the layer path sums it; each thread
