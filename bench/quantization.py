@@ -1,20 +1,23 @@
-"""Quantized weights (``--quantization int8|int4``) against fp32: quality, speed, memory.
+"""Quantized weights (``--quantization int8|int4``) and the int8 KV cache
+(``--kv-cache-dtype int8``) against fp32: quality, speed, memory.
 
     python bench/quantization.py [--threads 1] [--rounds 2] [--json out.json]
 
 On the trained code model of bench/spec_decode.py (built and cached on first use, ~5
-CPU-minutes; ~11 M parameters, weight-bound at batch 1):
+CPU-minutes; ~11 M parameters, weight-bound at batch 1), five configurations: fp32,
+int8 and int4 weights, fp32 weights with the int8 KV cache, int8 weights with it:
 
 1. quality: perplexity on held-out stdlib text of the model with each linear replaced by
-   its dequantized codes (transformers runs it: the arithmetic our kernels do, see
-   tests/unit/test_quantized_models.py), and the engine's greedy continuations of
-   held-out prompts against fp32's (identical continuations; tokens before the first
-   difference);
+   its dequantized codes and, with the int8 KV cache, every key and value read through
+   its quantization (transformers runs it: the arithmetic our kernels do, see
+   tests/unit/test_quantized_models.py and test_kv_int8_models.py), and the engine's
+   greedy continuations of held-out prompts against fp32's (identical continuations;
+   tokens before the first difference);
 2. speed: the engine (``LLM``) at batch 1 (decode tokens/s) and with 64 prompts at once
    (generated tokens/s), every format timed in turn within each round (ratios from
    interleaved runs; the best round of each);
-3. memory: bytes of the model's weights, and the resident memory of a fresh process
-   that loads the engine, per format.
+3. memory: bytes of the model's weights and of one token's KV, and the resident memory
+   of a fresh process that loads the engine, per configuration.
 Prints a JSON report (``--json``: also written to a file).
 """
 
@@ -39,24 +42,37 @@ from spec_decode import held_out_prompts  # noqa: E402
 from services.kernels.quant import quantize  # noqa: E402
 from services.llm import LLM  # noqa: E402
 from services.sampling_params import SamplingParams  # noqa: E402
+from tests.helpers.reference import read_kv_as_int8  # noqa: E402
 
-FORMATS = (None, "int8", "int4")
-GOALS = {"ppl_int8": 1.01, "ppl_int4": 1.05, "b1_int8": 1.8, "b1_int4": 2.5, "w64_int8": 1.0}
+# name -> (weights, KV cache dtype)
+CONFIGS = {
+    "fp32": (None, "auto"),
+    "int8": ("int8", "auto"),
+    "int4": ("int4", "auto"),
+    "kv-int8": (None, "int8"),
+    "int8+kv-int8": ("int8", "int8"),
+}
+GOALS = {
+    "ppl_int8": 1.01,
+    "ppl_int4": 1.05,
+    "ppl_kv-int8": 1.01,
+    "b1_int8": 1.8,
+    "b1_int4": 2.5,
+    "w64_int8": 1.0,
+}
 
 
-def name(fmt: str | None) -> str:
-    return fmt or "fp32"
-
-
-def perplexity(target: Path, fmt: str | None) -> float:
+def perplexity(target: Path, weights: str | None, kv: str) -> float:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    if fmt:
+    if weights:
         with torch.no_grad():
             for mod_name, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear) and not mod_name.endswith("lm_head"):
-                    mod.weight.copy_(quantize(mod.weight, fmt).dequantize())
+                    mod.weight.copy_(quantize(mod.weight, weights).dequantize())
+    if kv == "int8":
+        read_kv_as_int8(model)
     with torch.inference_mode():
         loss = held_out_loss(Recipe(), model, AutoTokenizer.from_pretrained(str(target)))
     return math.exp(loss)
@@ -87,14 +103,20 @@ def weight_bytes(llm: LLM) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def resident_mb(target: Path, fmt: str | None, threads: int) -> float:
+def kv_bytes_per_token(llm: LLM) -> int:
+    pool = llm.engine.kv
+    return pool.data[:, :, 0].numel() * pool.data.element_size() // pool.block_size
+
+
+def resident_mb(target: Path, weights: str | None, kv: str, threads: int) -> float:
     """VmRSS of a fresh process holding the engine (a 64 MiB KV pool)."""
     root = str(Path(__file__).resolve().parents[1])
     code = "\n".join(
         [
             f"import torch, sys; torch.set_num_threads({threads}); sys.path.insert(0, {root!r})",
             "from services.llm import LLM",
-            f"llm = LLM({str(target)!r}, quantization={fmt!r}, kv_cache_memory_mb=64)",
+            f"llm = LLM({str(target)!r}, quantization={weights!r}, kv_cache_dtype={kv!r},"
+            " kv_cache_memory_mb=64)",
             "rss = [l for l in open('/proc/self/status') if l.startswith('VmRSS')][0]",
             "print(int(rss.split()[1]) / 1024)",
         ]
@@ -117,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(str(target))
     prompts = held_out_prompts(tok, 64, 48)
     engines = {
-        name(f): LLM(
-            str(target), quantization=f, kv_cache_memory_mb=256, enable_prefix_caching=False
+        n: LLM(
+            str(target),
+            quantization=weights,
+            kv_cache_dtype=kv,
+            kv_cache_memory_mb=256,
+            enable_prefix_caching=False,
         )
-        for f in FORMATS
+        for n, (weights, kv) in CONFIGS.items()
     }
     speed: dict[str, dict[str, float]] = {n: {"b1": 0.0, "w64": 0.0} for n in engines}
     outputs: dict[str, list[list[int]]] = {}
@@ -131,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             speed[n]["b1"] = max(speed[n]["b1"], b1)
             speed[n]["w64"] = max(speed[n]["w64"], w64)
             outputs[n] = outs
-    ppl = {name(f): perplexity(target, f) for f in FORMATS}
+    ppl = {n: perplexity(target, *c) for n, c in CONFIGS.items()}
     report = {
         "host_threads": args.threads,
         "tokens_per_s": speed,
@@ -140,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         "perplexity_ratio": {n: ppl[n] / ppl["fp32"] for n in ppl},
         "greedy_vs_fp32": {n: agreement(outputs[n], outputs["fp32"]) for n in engines},
         "weight_mb": {n: weight_bytes(llm) / 2**20 for n, llm in engines.items()},
-        "resident_mb": {name(f): resident_mb(target, f, args.threads) for f in FORMATS},
+        "kv_bytes_per_token": {n: kv_bytes_per_token(llm) for n, llm in engines.items()},
+        "resident_mb": {n: resident_mb(target, *c, args.threads) for n, c in CONFIGS.items()},
         "goals": GOALS,
     }
     text = json.dumps(report, indent=2)

@@ -43,13 +43,14 @@ class DecodeService(EngineService):
         self.adopted = 0
 
     async def _register(self, llm: LLMEngine) -> None:
-        m = llm.model
+        # The pool's own rows: an int8 cache's carry their scales (kv_cache.row_width).
+        pool = llm.kv.data
         layout = (
             llm.loaded.num_kv_layers,
             llm.config.block_size,
-            m.num_kv_heads,
-            m.head_dim,
-            dtype_name(llm.loaded.dtype),
+            llm.model.num_kv_heads,
+            pool.shape[-1],
+            dtype_name(pool.dtype),
         )
         self.receiver = NatsKVReceiver(self.bus, self.instance_id, layout)
         await self.receiver.start()

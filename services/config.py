@@ -53,6 +53,14 @@ class EngineConfig(Settings):
         "inputs); activations stay in `dtype`. Unset: the checkpoint's own weights.",
         choices=("int8", "int4"),
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        doc="The KV cache's values (docs/quantization.md): `auto` (those of `dtype`) or "
+        "`int8` (a scale per token and KV head; about a quarter of fp32's memory, so "
+        "four times the tokens in `kv_cache_memory_mb`). Prefill and decode instances of "
+        "one fleet must agree. cpu and torch backends.",
+        choices=("auto", "int8"),
+    )
     load_format: str = setting(
         "auto",
         doc="`auto` reads safetensors; `dummy` builds the architecture with random weights.",

@@ -38,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "int64": torch.int64,
     "uint8": torch.uint8,
+    "int8": torch.int8,  # int8 KV caches (services/kernels/kv_quant.py)
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_NDIM = 8

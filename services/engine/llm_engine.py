@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import random
 
+import torch
+
 from services.config import EngineConfig
 from services.engine.block_manager import BlockManager
 from services.engine.engine_requests import EngineRequests
@@ -144,11 +146,19 @@ class LLMEngine(EngineRequests):
                 "kept at block boundaries (services/engine/mamba_state.py)",
                 lm.info.model_id,
             )
-        return HybridCache.build(lm.model, self.config, lm.dtype, lm.device)
+        return HybridCache.build(lm.model, self.config, self._kv_dtype(lm), lm.device)
+
+    def _kv_dtype(self, lm: LoadedModel) -> torch.dtype:
+        if self.config.kv_cache_dtype == "auto":
+            return lm.dtype
+        if self.backend.name == "triton":
+            raise ValueError("kv_cache_dtype int8 is served by the cpu and torch backends only")
+        return torch.int8
 
     def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
         c, m = self.config, lm.model
-        args = (lm.num_layers, c.block_size, m.num_kv_heads, m.head_dim, lm.dtype, lm.device)
+        dtype = self._kv_dtype(lm)
+        args = (lm.num_layers, c.block_size, m.num_kv_heads, m.head_dim, dtype, lm.device)
         if c.num_kv_blocks is not None:
             return KVCachePool(lm.num_layers, c.num_kv_blocks, *args[1:])
         return KVCachePool.from_budget(c.kv_cache_memory_mb, *args)

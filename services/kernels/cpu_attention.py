@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from services.kernels import kv_quant
 from services.kernels import torch_backend as ref
 from services.kernels.metadata import AttentionMetadata
 
@@ -29,6 +30,11 @@ TILE_MIN_ROWS = 2
 # Longest context the per-row kernel takes for prefill rows of a chunk the tile kernel does
 # not take (its K/V, re-read by every row, stays in L2 at 4 KV heads x 64); beyond, SDPA.
 ROW_EXTEND_MAX = 1024
+
+
+def plan_key(k_cache: torch.Tensor, hq: int) -> tuple:
+    """What a plan depends on besides the step's metadata."""
+    return (hq, *k_cache.shape[2:], k_cache.dtype)
 
 
 def tile_kernel_takes(hq: int, hkv: int, d: int) -> bool:
@@ -46,10 +52,12 @@ class AttentionPlan:
     """
 
     def __init__(self, meta: AttentionMetadata, k_cache: torch.Tensor, hq: int):
-        num_blocks, block_size, hkv, d = k_cache.shape
-        self.shape = (hq, hkv, d)
+        num_blocks, block_size, hkv, _ = k_cache.shape
+        self.key = plan_key(k_cache, hq)
         self.starts = ref.query_starts(meta)
-        tile = tile_kernel_takes(hq, hkv, d)
+        # An int8 cache has the per-row kernel only (epd_kvq8.c).
+        quantized = kv_quant.is_quantized(k_cache)
+        tile = not quantized and tile_kernel_takes(hq, hkv, kv_quant.head_dim(k_cache))
         rows, seqs, lens, units, costs = [], [], [], [], []
         sdpa_lens = [0] * meta.num_seqs  # query lengths of the sequences SDPA serves
         for b, (q, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
@@ -136,8 +144,9 @@ def _continued_chunk(query, k_cache, v_cache, table_row, qlen: int, ctx: int, sc
     group, p = hq // k_cache.shape[2], ctx - qlen
     blocks = table_row[: (ctx + bs - 1) // bs].long()
     # [1, Hq, ctx, D]: the flash op has no GQA; the copy is ~2 % of the call
-    k = ref.gather_blocks(k_cache, blocks, ctx).transpose(0, 1).repeat_interleave(group, 0)[None]
-    v = ref.gather_blocks(v_cache, blocks, ctx).transpose(0, 1).repeat_interleave(group, 0)[None]
+    k = ref.gather_blocks(k_cache, blocks, ctx, query.dtype).transpose(0, 1)
+    v = ref.gather_blocks(v_cache, blocks, ctx, query.dtype).transpose(0, 1)
+    k, v = k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
     q = query.transpose(0, 1)[None]
     o1, lse1 = _FLASH(q, k[:, :, :p], v[:, :, :p], 0.0, False, scale=scale)
     o2, lse2 = _FLASH(q, k[:, :, p:], v[:, :, p:], 0.0, True, scale=scale)

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from services.config import EngineConfig
-from services.kernels import cpu_native
+from services.kernels import cpu_native, kv_quant
 from services.kernels import torch_backend as ref
-from services.kernels.cpu_attention import AttentionPlan, extend_one_split
+from services.kernels.cpu_attention import AttentionPlan, extend_one_split, plan_key
 from services.kernels.cpu_gemm import GEMM_MIN_ROWS, OneDnnGemm, prefer_mkldnn
 from services.kernels.cpu_head import ScreenedHead, bf16_linear_works, has_native_bf16
 from services.kernels.cpu_stack import NativeStack
@@ -103,23 +103,30 @@ class CpuBackend:
     # -- attention ------------------------------------------------------------------
     def _attention_plan(self, meta: AttentionMetadata, k_cache, hq: int) -> AttentionPlan:
         ref_, plan = self._plan
-        if ref_ is None or ref_() is not meta or plan.shape != (hq, *k_cache.shape[2:]):
+        if ref_ is None or ref_() is not meta or plan.key != plan_key(k_cache, hq):
             plan = AttentionPlan(meta, k_cache, hq)
             self._plan = (weakref.ref(meta), plan)
         return plan
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        if not _fp32(query, k_cache, v_cache) or query.shape[0] == 0:
+        quantized = kv_quant.is_quantized(k_cache)
+        native = _fp32(query) and (
+            quantized and query.shape[2] % 8 == 0 or not quantized and _fp32(k_cache, v_cache)
+        )
+        if not native or query.shape[0] == 0:
             return ref.attention(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
         plan = self._attention_plan(meta, k_cache, query.shape[1])
         if query.shape[0] != plan.starts[-1]:
             raise ValueError("attention: query rows do not match the metadata")
-        _, bs, hkv, d = k_cache.shape
-        hq, ts = query.shape[1], plan.tables.stride(0)
+        _, bs, hkv, _ = k_cache.shape
+        hq, d, ts = query.shape[1], query.shape[2], plan.tables.stride(0)
 
         common = (_ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts)
-        rc = self.lib.epd_par_decode_attention(
+        rows = (
+            self.lib.epd_par_decode_attention_q8 if quantized else self.lib.epd_par_decode_attention
+        )
+        rc = rows(
             *common,
             _ptr(plan.lens),
             _ptr(plan.rows),

@@ -26,7 +26,18 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-_UNITS = ("cpu", "gemv_rows", "quant", "attention", "extend", "team", "decode", "head", "parallel")
+_UNITS = (
+    "cpu",
+    "gemv_rows",
+    "quant",
+    "attention",
+    "kvq8",
+    "extend",
+    "team",
+    "decode",
+    "head",
+    "parallel",
+)
 SOURCES = [CSRC / f"epd_{name}.c" for name in _UNITS]
 HEADERS = [CSRC / "epd_common.h", CSRC / "epd_team.h"]
 # -fno-trapping-math: GCC then if-converts the float clamps of exp_approx, so the exp loops
@@ -91,6 +102,11 @@ _SIGNATURES = {
         ctypes.c_int,
         [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],
     ),
+    "epd_par_decode_attention_q8": (
+        ctypes.c_int,
+        [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],
+    ),
+    "epd_kv_quantize": (None, [_P, _P, _I64, _I64]),
     "epd_par_extend_attention": (
         ctypes.c_int,
         [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],

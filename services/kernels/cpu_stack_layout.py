@@ -9,6 +9,7 @@ import ctypes
 
 import torch
 
+from services.kernels import kv_quant
 from services.kernels.cpu_native import fp32 as _fp32
 from services.kernels.cpu_native import ptr as _ptr
 from services.kernels.metadata import DecoderStack
@@ -87,7 +88,10 @@ class StackPointers:
         qkvw = (hq + 2 * hkv) * d
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
-        cache_shape = (self.num_blocks, self.block_size, hkv, d)
+        # int8 caches (kv_quant.py): rows of codes and scale, read by epd_kvq8.c
+        self.kv_int8 = kv_quant.is_quantized(k0)
+        width = kv_quant.row_width(d) if self.kv_int8 else d
+        cache_shape = (self.num_blocks, self.block_size, hkv, width)
         rot = s.rope.shape[-1] if s.rope.dim() == 2 else -1
         self.ok = (
             len(s.layers) == len(kv_caches) > 0
@@ -121,7 +125,9 @@ class StackPointers:
                 all(_readable(m, n, k) for m, n, k in mats)
                 and all(v is None or (_fp32(v) and v.shape == (n,)) for v, n in vecs)
                 and (w.q_norm is None) == (w.k_norm is None)
-                and _fp32(kc, vc)
+                and (
+                    kv_quant.is_quantized(kc, vc) and d % 8 == 0 if self.kv_int8 else _fp32(kc, vc)
+                )
                 and kc.shape == vc.shape == cache_shape
             )
             rows.append(_layer_pointers(w, kc, vc, self._descriptors))
@@ -140,7 +146,8 @@ class StackPointers:
             return self._buffers[1:]
         if held != key:
             dims = torch.tensor(
-                [m, *self.dims, key[1], key[2], len(self.stack.layers)], dtype=torch.int64
+                [m, *self.dims, key[1], key[2], len(self.stack.layers), int(self.kv_int8)],
+                dtype=torch.int64,
             )
             size = (
                 self.lib.epd_decode_greedy_scratch(_ptr(dims), team, vocab)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.kernels import kv_quant
 from services.kernels.metadata import AttentionMetadata, SamplingTensors
 from services.kernels.quant import QuantizedWeight
 
@@ -29,16 +30,21 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    if kv_quant.is_quantized(k_cache):
+        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    nb, bs, h, w = k_cache.shape
+    k_cache.view(nb * bs, h, w).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, w).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] indexed by a block list -> the first `length` rows [L, H, D]."""
-    _, bs, h, d = cache.shape
+def gather_blocks(
+    cache: torch.Tensor, blocks: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[num_blocks, bs, H, D] indexed by a block list -> the first `length` rows [L, H, D]
+    as values of ``dtype`` (an int8 cache's rows dequantized)."""
+    _, bs, h, w = cache.shape
     # index_select copies whole blocks; advanced indexing is several times slower on CPU.
-    return cache.index_select(0, blocks).view(-1, h, d)[:length]
+    return kv_quant.readable(cache.index_select(0, blocks).view(-1, h, w)[:length], dtype)
 
 
 @dataclass
@@ -94,18 +100,18 @@ def _cached_groups(meta: AttentionMetadata, rows: list[int], seqs: list[int], bs
 
 def _decode_attention(query, k_cache, v_cache, groups: list[_DecodeGroup], scale: float, out):
     """One query per sequence, over contexts gathered block-wise, a padded batch per group."""
-    hq, d = query.shape[1], query.shape[2]
-    _, bs, hkv, _ = k_cache.shape
+    hq = query.shape[1]
+    hkv, w = k_cache.shape[2:]
     for grp in groups:
         g = grp.rows.shape[0]
-        k = k_cache.index_select(0, grp.blocks).view(g, -1, hkv, d)[:, : grp.length]
-        v = v_cache.index_select(0, grp.blocks).view(g, -1, hkv, d)[:, : grp.length]
+        k = k_cache.index_select(0, grp.blocks).view(g, -1, hkv, w)[:, : grp.length]
+        v = v_cache.index_select(0, grp.blocks).view(g, -1, hkv, w)[:, : grp.length]
         q = query.index_select(0, grp.rows)[:, :, None, :]  # [g, Hq, 1, D]
         # SDPA reads the [g, Hkv, L, D] views through their strides: no transposed copy.
         o = F.scaled_dot_product_attention(
             q,
-            k.transpose(1, 2).to(q.dtype),
-            v.transpose(1, 2).to(q.dtype),
+            kv_quant.readable(k, q.dtype).transpose(1, 2),
+            kv_quant.readable(v, q.dtype).transpose(1, 2),
             attn_mask=grp.mask,
             scale=scale,
             enable_gqa=hq != hkv,
@@ -118,8 +124,8 @@ def extend_one(query, k_cache, v_cache, table_row, qlen: int, ctx: int, scale: f
     """Causal attention of one sequence's qlen new rows over its ctx cached rows."""
     hq, hkv, bs = query.shape[1], k_cache.shape[2], k_cache.shape[1]
     blocks = table_row[: (ctx + bs - 1) // bs].long()
-    k = gather_blocks(k_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
-    v = gather_blocks(v_cache, blocks, ctx).transpose(0, 1)[None].to(query.dtype)
+    k = gather_blocks(k_cache, blocks, ctx, query.dtype).transpose(0, 1)[None]
+    v = gather_blocks(v_cache, blocks, ctx, query.dtype).transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]
     mask = None
     if qlen != ctx:
@@ -200,8 +206,8 @@ def masked_attention(
         first = 0 if window is None else max(0, ctx - q + 1 - window)
         lo = first // bs * bs  # whole blocks from the first key any row sees
         table = meta.block_tables[b, lo // bs : (ctx + bs - 1) // bs].to(torch.long)
-        k = gather_blocks(k_cache, table, ctx - lo)
-        v = gather_blocks(v_cache, table, ctx - lo)
+        k = gather_blocks(k_cache, table, ctx - lo, query.dtype)
+        v = gather_blocks(v_cache, table, ctx - lo, query.dtype)
         qpos = torch.arange(ctx - q, ctx, device=query.device)[:, None]
         kpos = torch.arange(lo, ctx, device=query.device)[None, :]
         last = qpos if last_seen is None else last_seen[s : s + q, None]

@@ -56,8 +56,9 @@ static int64_t linear_team(float *y, const float *x, const int64_t *L, int wt, i
 /* Sizes, in this order. */
 enum {
     D_ROWS, D_HIDDEN, D_HQ, D_HKV, D_HEAD, D_INTER, D_ROT, D_MAX_POS, D_NUM_BLOCKS,
-    D_BLOCK, D_TABLE_STRIDE, D_TABLE_WIDTH, D_LAYERS, D_NDIMS
+    D_BLOCK, D_TABLE_STRIDE, D_TABLE_WIDTH, D_LAYERS, D_KV_INT8, D_NDIMS
 };
+/* D_KV_INT8: 1 when the caches hold int8 rows with their scales (csrc/epd_kvq8.c). */
 
 
 /* The step's indices are read as raw offsets below: check them all first. */
@@ -73,6 +74,19 @@ static int check_step(const int64_t *dm, const int64_t *pos, const int64_t *slot
             if (t[b] < 0 || t[b] >= nb) return -4;
     }
     return 0;
+}
+
+/* One token's K and V (hkv heads of d floats each) into its cache slot, as they are or as
+ * int8 rows with their scales. */
+static void write_kv(void *kc, void *vc, int64_t slot, const float *k, const float *v,
+                     int64_t hkv, int64_t d, int64_t int8_rows) {
+    if (int8_rows) {
+        epd_kv_quantize((int8_t *)kc + slot * hkv * (d + 4), k, hkv, d);
+        epd_kv_quantize((int8_t *)vc + slot * hkv * (d + 4), v, hkv, d);
+        return;
+    }
+    memcpy((float *)kc + slot * hkv * d, k, sizeof(float) * (size_t)(hkv * d));
+    memcpy((float *)vc + slot * hkv * d, v, sizeof(float) * (size_t)(hkv * d));
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
@@ -165,7 +179,7 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
         if ((err = epd_team_sync(sync, nt))) break;
         err = linear_team(qkv, x, L, L_QKV_WT, L_QKV_B, L_QKV_Q, m, hid, qkvw, &tm, tid, nt);
         if (err || (err = epd_team_sync(sync, nt))) break;
-        float *kc = (float *)(intptr_t)L[L_K_CACHE], *vc = (float *)(intptr_t)L[L_V_CACHE];
+        void *kc = (void *)(intptr_t)L[L_K_CACHE], *vc = (void *)(intptr_t)L[L_V_CACHE];
         for (int64_t i = tid; i < m; i += nt) {
             float *qi = q + i * qs, *ki = k + i * kvs;
             const float *vi = qkv + i * qkvw + qs + kvs;
@@ -176,17 +190,18 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
                 epd_rms_norm(ki, NULL, ki, NULL, P(L, L_K_NORM), hkv, d, eps);
             }
             epd_rotary(qi, ki, pos + i, cs, 1, hq, hkv, d, dm[D_ROT], 1);
-            if (slots[i] >= 0) {
-                memcpy(kc + slots[i] * kvs, ki, sizeof(float) * (size_t)kvs);
-                memcpy(vc + slots[i] * kvs, vi, sizeof(float) * (size_t)kvs);
-            }
+            if (slots[i] >= 0) write_kv(kc, vc, slots[i], ki, vi, hkv, d, dm[D_KV_INT8]);
         }
         /* Every row's K/V is in the cache before any row attends: rows of one sequence (a
          * verification's drafts) read each other's, whichever thread wrote them. */
         if ((err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
-            if (epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE], lens + i, rows + i,
-                                     rows + i, 1, hq, hkv, d, bs, scale))
+            if (dm[D_KV_INT8] ? epd_decode_attention_q8(att, q, kc, vc, tables, dm[D_TABLE_STRIDE],
+                                                        lens + i, rows + i, rows + i, 1, hq, hkv,
+                                                        d, bs, scale)
+                              : epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE],
+                                                     lens + i, rows + i, rows + i, 1, hq, hkv, d,
+                                                     bs, scale))
                 epd_team_fail(sync, -1);
         if ((err = epd_team_sync(sync, nt))) break;
         err = linear_team(o, att, L, L_O_WT, L_O_B, L_O_Q, m, qs, hid, &tm, tid, nt);
