@@ -1,8 +1,9 @@
 """Checkpoints published quantized, read as they are: ``compressed-tensors`` (what
 llm-compressor writes) with int8 weights, a scale per output channel (W8A8 / W8A16,
 ``int-quantized``), or int4 weights with a scale (and zero point) per group or channel
-(W4A16, ``pack-quantized``). ``config.json``'s ``quantization_config`` says which; any
-other method or scheme is a clear error at load, never a silent full-precision model.
+(W4A16, ``pack-quantized``); GPTQ and AWQ int4 files (``gptq_awq.py``).
+``config.json``'s ``quantization_config`` says which; any other method or scheme is a
+clear error at load, never a silent full-precision model.
 
 How they load: each quantized linear's codes and scales are kept (``Grid``), its weight
 is dequantized so the model's own loader fills (and fuses: q, k, v into qkv_proj) its
@@ -15,63 +16,19 @@ full-precision model than vLLM's int8 GEMM.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from services.kernels.quant import QuantizedWeight, int4_weight, int8_weight
+from services.models import gptq_awq
 from services.models.checkpoint import CheckpointError
+from services.models.quant_grid import SUPPORTED, Grid, Scheme, int4_grid, unpack_int32
 from services.models.quantize import QuantLinear, text_decoder
 
 # Our fused linears and the checkpoint linears whose rows they stack, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
-SUPPORTED = (
-    "compressed-tensors checkpoints with int weights of 8 bits per channel or 4 bits per "
-    "group or channel, or `--quantization int8|int4` on a full-precision checkpoint"
-)
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """The weight quantization a checkpoint declares (one config group, Linear targets)."""
-
-    bits: int  # 8 or 4
-    group: int | None  # input rows per scale; None: per output channel
-    symmetric: bool
-    packed: bool  # codes packed eight to an int32 (pack-quantized)
-    ignore: tuple[str, ...]  # module names or "re:" patterns kept in full precision
-
-    def ignores(self, module: str) -> bool:
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], module):
-                    return True
-            elif module == pattern:
-                return True
-        return False
-
-
-@dataclass(frozen=True)
-class Grid:
-    """One checkpoint linear's codes [n, k] (int8 signed; int4 unsigned 0-15) and scales
-    [n] (int8) or scales and zero points [n, groups] (int4)."""
-
-    bits: int
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
-
-    def dequantize(self) -> torch.Tensor:
-        if self.bits == 8:
-            return self.codes.float() * self.scale[:, None]
-        groups = self.scale.shape[1]
-        rep = self.codes.shape[1] // groups
-        zero = self.zero.repeat_interleave(rep, dim=1)
-        return (self.codes.float() - zero) * self.scale.float().repeat_interleave(rep, dim=1)
 
 
 def scheme_of(hf_config) -> Scheme | None:
@@ -81,6 +38,8 @@ def scheme_of(hf_config) -> Scheme | None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
+    if method in ("gptq", "awq"):
+        return gptq_awq.scheme(qc)
     if method != "compressed-tensors":
         raise CheckpointError(f"quantization method {method!r} is not supported: {SUPPORTED}")
     fmt = qc.get("format")
@@ -96,6 +55,7 @@ def scheme_of(hf_config) -> Scheme | None:
     if not ok or w.get("actorder") not in (None, False, "static", "weight"):
         raise CheckpointError(f"compressed-tensors weights {w} are not supported: {SUPPORTED}")
     return Scheme(
+        method=method,
         bits=bits,
         group=w.get("group_size") if strategy == "group" else None,
         symmetric=bool(w.get("symmetric", True)),
@@ -113,16 +73,17 @@ def read_grids(
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
-        if leaf in _PARTS:
+        if leaf in scheme.parts:
             parts.setdefault(module, {})[leaf] = tensor
         else:
             plain.append((name, tensor))
     grids: dict[str, Grid] = {}
     for module, p in parts.items():
-        if "weight_scale" not in p:  # a linear kept in full precision
+        if not scheme.quantized(p):  # a linear kept in full precision
             plain.append((f"{module}.weight", p["weight"]))
             continue
-        grids[module] = _grid(module, p, scheme)
+        read = _grid if scheme.method == "compressed-tensors" else gptq_awq.grid
+        grids[module] = read(module, p, scheme)
         plain.append((f"{module}.weight", grids[module].dequantize()))
     return iter(plain), grids
 
@@ -137,7 +98,7 @@ def _grid(module: str, p: dict[str, torch.Tensor], scheme: Scheme) -> Grid:
             return Grid(8, codes, scale.reshape(-1), None)
         if scheme.packed:
             n, k = (int(v) for v in p["weight_shape"].tolist())
-            codes = _unpack_int32(p["weight_packed"], dim=1)[:, :k]
+            codes = unpack_int32(p["weight_packed"], dim=1)[:, :k]
         else:
             codes = p["weight"].to(torch.int32) + 8
             n, k = codes.shape
@@ -145,24 +106,13 @@ def _grid(module: str, p: dict[str, torch.Tensor], scheme: Scheme) -> Grid:
         zero = torch.full_like(scale, 8.0)
         if "weight_zero_point" in p and not scheme.symmetric:
             zp = p["weight_zero_point"]
-            zp = _unpack_int32(zp, dim=0)[:n] if scheme.packed else zp.to(torch.int32) + 8
+            zp = unpack_int32(zp, dim=0)[:n] if scheme.packed else zp.to(torch.int32) + 8
             zero = zp.reshape(n, -1).float()
-        if k % scale.shape[1] or codes.shape != (n, k):
-            raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scale.shape)}")
-        return Grid(4, codes.to(torch.uint8), scale, zero)
+        if codes.shape != (n, k):
+            raise ValueError(f"codes {tuple(codes.shape)} for a weight of {n} x {k}")
+        return int4_grid(codes, scale, zero)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"quantized weights of {module} do not read: {e}") from e
-
-
-def _unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words of eight 4-bit values (value i at bits 4i) -> those values, unsigned
-    (what compressed-tensors stores: the signed code + 8), spread along ``dim``."""
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed codes are {packed.dtype}, not int32")
-    vals = torch.stack([(packed >> (4 * i)) & 15 for i in range(8)], dim=dim + 1)
-    shape = list(packed.shape)
-    shape[dim] *= 8
-    return vals.reshape(shape)
 
 
 def apply_grids(model: nn.Module, grids: dict[str, Grid]) -> int:

@@ -15,7 +15,7 @@ from services.models.checkpoint import CheckpointError
 from services.models.quantize import QuantLinear
 from services.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_text_checkpoint
-from tests.helpers.compressed_tensors import write_compressed
+from tests.helpers.quantized_checkpoints import write_awq, write_compressed, write_gptq
 from tests.helpers.reference import hf_greedy, load_hf
 
 pytestmark = pytest.mark.slow
@@ -81,15 +81,24 @@ def test_unknown_method_is_a_clear_error(llama_ckpt):
         LLM(str(llama_ckpt), quantization="fp4")
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_compressed_tensors_checkpoint_loads_its_own_codes(tmp_path_factory, bits):
+WRITERS = {
+    "compressed-int8": lambda src, out: write_compressed(src, out, 8),
+    "compressed-int4": lambda src, out: write_compressed(src, out, 4),
+    "gptq": write_gptq,
+    "awq": write_awq,
+}
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_published_quantized_checkpoint_loads_its_own_codes(tmp_path_factory, fmt):
     root = tmp_path_factory.getbasetemp() / "quant"
     src = make_text_checkpoint(root, "llama")
-    ckpt, twin = write_compressed(src, root / f"llama-w{bits}", bits)
+    ckpt, twin = WRITERS[fmt](src, root / f"llama-{fmt}")
     refs = [hf_greedy(load_hf(twin), p, MAX_NEW) for p in PROMPTS]
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=256)
     layers = llm.engine.loaded.model.model.layers
     qkv = layers[0].self_attn.qkv_proj
+    bits = 8 if fmt == "compressed-int8" else 4
     assert isinstance(qkv, QuantLinear) and qkv.method == f"int{bits}"
     if bits == 4:
         assert qkv.group == 32  # the checkpoint's groups, not ours
@@ -104,10 +113,28 @@ def test_compressed_tensors_checkpoint_loads_its_own_codes(tmp_path_factory, bit
         LLM(str(ckpt), quantization="int8")
 
 
+def test_gptq_act_order_groups_are_a_clear_error(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.getbasetemp() / "quant"
+    src = make_text_checkpoint(root, "llama")
+    ckpt, _ = write_gptq(src, root / "llama-gptq-actorder")
+    f = ckpt / "model.safetensors"
+    tensors = load_file(str(f))
+    name = next(n for n in tensors if n.endswith("q_proj.g_idx"))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(f))
+    with pytest.raises(CheckpointError, match="act-order"):
+        LLM(str(ckpt))
+
+
 @pytest.mark.parametrize(
     "qc,match",
     [
-        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
         (
             {"quant_method": "compressed-tensors", "format": "float-quantized"},
             "format 'float-quantized'",
