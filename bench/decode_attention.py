@@ -1,7 +1,7 @@
 """Decode attention of the cpu backend, one layer's call: time and K/V read rate.
 
     flock /tmp/bench.lock taskset -c 0 python bench/decode_attention.py \
-        [--rows 89] [--context 100,700] [--threads 1] [--base-lib PATH]
+        [--rows 89] [--context 100,700] [--threads 1] [--base-lib PATH] [--kv-int8]
 
 R decode rows (one query each) with contexts drawn uniformly from the range (default: the
 mixed workload's shape at a decode step, 89 rows over ~400 tokens), the shared checkpoint's
@@ -10,7 +10,8 @@ memory written before every call (a decode step reads each layer's K/V once, fro
 Prints the best time and the rate at which it read K and V; ``--hot`` leaves the K/V in
 cache instead (the arithmetic alone). ``--base-lib`` also times another build of the kernel
 library (e.g. main's, from ``~/.cache/epd-serve/kernels``), alternating call by call, and
-checks both give the same bits.
+checks both give the same bits. ``--kv-int8`` also times the int8 cache's kernel
+(csrc/epd_kvq8.c) over the same K/V quantized (``--kv-cache-dtype int8``), alternating.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from services.kernels import cpu_native  # noqa: E402
+from services.kernels import cpu_native, kv_quant  # noqa: E402
 from services.kernels.cpu_attention import AttentionPlan  # noqa: E402
 from services.kernels.cpu_backend import CpuBackend  # noqa: E402
 from services.kernels.metadata import AttentionMetadata  # noqa: E402
@@ -57,11 +58,11 @@ def inputs(rows: int, lo: int, hi: int, hot: bool):
     return torch.randn(rows, HQ, D), kc, vc, meta, sum(ctxs) * HKV * D * 4 * 2
 
 
-def call(lib, q, kc, vc, plan: AttentionPlan, ranges) -> torch.Tensor:
+def call(lib, q, kc, vc, plan: AttentionPlan, ranges, kernel="epd_par_decode_attention"):
     """The kernel over the plan's rows, split over threads as the backend splits them."""
     p = cpu_native.ptr
     out = torch.empty_like(q)
-    rc = lib.epd_par_decode_attention(
+    rc = getattr(lib, kernel)(
         p(out),
         p(q),
         p(kc),
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--base-lib", default="")
+    ap.add_argument("--kv-int8", action="store_true", help="also the int8 cache's kernel")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lo, hi = (int(x) for x in args.context.split(","))
@@ -98,11 +100,19 @@ def main() -> None:
     plan = AttentionPlan(meta, kc, HQ)
     ranges = be._split(plan.num_rows, 8)
     ways = {"this build": lambda: call(be.lib, q, kc, vc, plan, ranges)}
+    read = {"this build": nbytes}
+    if args.kv_int8:
+        k8, v8 = kv_quant.quantize(kc), kv_quant.quantize(vc)
+        ways["int8 cache"] = lambda: call(
+            be.lib, q, k8, v8, plan, ranges, "epd_par_decode_attention_q8"
+        )
+        read["int8 cache"] = nbytes * kv_quant.row_width(D) // (4 * D)
     if args.base_lib:
         base = ctypes.CDLL(args.base_lib)
         res, types = cpu_native._SIGNATURES["epd_par_decode_attention"]
         base.epd_par_decode_attention.restype, base.epd_par_decode_attention.argtypes = res, types
         ways["base"] = lambda: call(base, q, kc, vc, plan, ranges)
+        read["base"] = nbytes
         print(
             f"the same bits as the base build: {torch.equal(ways['this build'](), ways['base']())}"
         )
@@ -120,7 +130,7 @@ def main() -> None:
         f"{', K/V in cache' if args.hot else ''}:"
     )
     for name, t in best.items():
-        print(f"  {name}: {t * 1e3:.2f} ms, {nbytes / t / 1e9:.1f} GB/s of K/V")
+        print(f"  {name}: {t * 1e3:.2f} ms, {read[name] / t / 1e9:.1f} GB/s of K/V")
 
 
 if __name__ == "__main__":

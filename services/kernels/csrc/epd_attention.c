@@ -198,7 +198,7 @@ DEFINE_WEIGHTED_V(128, 4, C(1, 1, 4, 128) C(2, 1, 4, 128) C(1, 2, 4, 128))
 #undef C
 
 /* In-place softmax of s[0:n] (VW partial maxima and sums so the loops vectorize). */
-static void softmax(float *s, int64_t n) {
+void epd_softmax(float *s, int64_t n) {
     float mx[VW], acc[VW] = {0};
     for (int j = 0; j < VW; j++) mx[j] = -INFINITY;
     int64_t t = 0;
@@ -229,7 +229,7 @@ static void generic_row(float *o, float *s, const float *q, const float *const *
     for (int64_t t = 0; t < len; t++)
         for (int64_t h = 0; h < hq; h++)
             s[h * len + t] = dot(q + h * d, krows[t] + (h / group) * d, d) * scale;
-    for (int64_t h = 0; h < hq; h++) softmax(s + h * len, len);
+    for (int64_t h = 0; h < hq; h++) epd_softmax(s + h * len, len);
     memset(o, 0, sizeof(float) * (size_t)(hq * d));
     for (int64_t t = 0; t < len; t++)
         for (int64_t h = 0; h < hq; h++) axpy(o + h * d, s[h * len + t], vrows[t] + (h / group) * d, d);
@@ -278,11 +278,11 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
         prefetch_rows(krows, vrows, len < PF_AHEAD ? len : PF_AHEAD, tok);
         if (d == 64) {
             scores_64(scores, len, qr, krows, vrows, hq, group, scale);
-            for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
+            for (int64_t h = 0; h < hq; h++) epd_softmax(scores + h * len, len);
             weighted_v_64(o, scores, vrows, len, hq, hkv);
         } else if (d == 128) {
             scores_128(scores, len, qr, krows, vrows, hq, group, scale);
-            for (int64_t h = 0; h < hq; h++) softmax(scores + h * len, len);
+            for (int64_t h = 0; h < hq; h++) epd_softmax(scores + h * len, len);
             weighted_v_128(o, scores, vrows, len, hq, hkv);
         } else {
             generic_row(o, scores, qr, krows, vrows, len, hq, group, d, scale);
