@@ -39,6 +39,13 @@ class QuantizedWeight:
         parts = (self.codes, self.scale, self.offset)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight with its tensors on ``device``."""
+        moved = (
+            t.to(device) if t is not None else None for t in (self.codes, self.scale, self.offset)
+        )
+        return QuantizedWeight(self.method, self.shape, *moved, self.group)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [n, k] as the codes give it."""
         n, k = self.shape

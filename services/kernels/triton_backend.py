@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from services.kernels.metadata import AttentionMetadata
+from services.kernels.quant import QuantizedWeight
 from services.kernels.torch_backend import TorchBackend
 from services.kernels.triton_attention import decode_attention
 from services.kernels.triton_extend import extend_attention
 from services.kernels.triton_kv import write_kv
 from services.kernels.triton_norm import rms_norm
+from services.kernels.triton_quant import quant_linear, takes
 from services.kernels.triton_rotary import rotary
 from services.kernels.triton_sampling import sample
 
@@ -47,7 +49,8 @@ def attention(
 
 class TritonBackend(TorchBackend):
     """Backend object over the Triton launchers (see ``services.kernels.backend``); the
-    dense ops (linear, SiLU x mul) stay torch's (cuBLAS and elementwise torch ops)."""
+    dense ops (linear, SiLU x mul) stay torch's (cuBLAS and elementwise torch ops), but for
+    quantized weights, which a Triton kernel reads from their codes."""
 
     name = "triton"
     write_kv = staticmethod(write_kv)
@@ -55,3 +58,8 @@ class TritonBackend(TorchBackend):
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     sample = staticmethod(sample)
+
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedWeight) and takes(weight):
+            return quant_linear(x, weight, bias)
+        return super().linear(x, weight, bias)

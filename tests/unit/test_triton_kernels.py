@@ -230,3 +230,32 @@ def test_rotary_matches_twin(dtype: torch.dtype, is_neox: bool, rot: int) -> Non
     torch.testing.assert_close(q1, q0, **TOL[dtype])
     torch.testing.assert_close(k1, k0, **TOL[dtype])
     assert torch.equal(qkv[:, hq + hkv :], qkv.clone()[:, hq + hkv :])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("m", [1, 19])
+def test_quantized_linear_matches_twin(method: str, m: int) -> None:
+    """Codes read in their panels (40 outputs: a padded third panel; int4 groups of 32)."""
+    from services.kernels.quant import quantize
+    from services.kernels.triton_quant import quant_linear
+
+    gen = torch.Generator().manual_seed(m)
+    qw = quantize(torch.randn(40, 96, generator=gen), method).to(DEV)
+    assert method == "int8" or qw.group == 32
+    x = torch.randn(m, 96, generator=gen).to(DEV)
+    bias = torch.randn(40, generator=gen).to(DEV)
+    want = ref.linear(x, qw, bias)
+    torch.testing.assert_close(quant_linear(x, qw, bias), want, **TOL[torch.float32])
+    torch.testing.assert_close(
+        TritonBackend().linear(x, qw), ref.linear(x, qw), **TOL[torch.float32]
+    )
+
+
+def test_int4_groups_the_kernel_does_not_take_go_through_the_twin() -> None:
+    from services.kernels.quant import quantize
+    from services.kernels.triton_quant import takes
+
+    qw = quantize(torch.randn(16, 48), "int4")  # one group of 48 rows: not whole passes
+    assert not takes(qw)
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(TritonBackend().linear(x, qw), ref.linear(x, qw))
