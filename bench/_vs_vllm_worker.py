@@ -71,15 +71,14 @@ class Vllm:
         from vllm import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(
-            model=model,
-            dtype="float32",
-            skip_tokenizer_init=True,
-            max_model_len=2048,
-            enable_prefix_caching=True,
-            seed=0,
-            **(config or {}),
-        )
+        kwargs = {
+            "dtype": "float32",
+            "skip_tokenizer_init": True,
+            "max_model_len": 2048,
+            "enable_prefix_caching": True,
+            "seed": 0,
+        }
+        self.llm = LLM(model=model, **(kwargs | (config or {})))
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.config = (
             f"max_num_batched_tokens {sched.max_num_batched_tokens}, "

@@ -2,6 +2,7 @@
 (``--kv-cache-dtype int8``) against fp32: quality, speed, memory.
 
     python bench/quantization.py [--threads 1] [--rounds 2] [--json out.json]
+    python bench/quantization.py --model shared      # speed and memory of a 56 M Llama
 
 On the trained code model of bench/spec_decode.py (built and cached on first use, ~5
 CPU-minutes; ~11 M parameters, weight-bound at batch 1), five configurations: fp32,
@@ -18,7 +19,11 @@ int8 and int4 weights, fp32 weights with the int8 KV cache, int8 weights with it
    interleaved runs; the best round of each);
 3. memory: bytes of the model's weights and of one token's KV, and the resident memory
    of a fresh process that loads the engine, per configuration.
-Prints a JSON report (``--json``: also written to a file).
+Prints a JSON report (``--json``: also written to a file). ``--model shared`` (or a
+checkpoint directory) measures speed and memory only, on that checkpoint: the shared
+56 M-parameter Llama of docs/serving-peers.md (random weights) is weight-bound from
+memory where the 11 M code model's int8 codes fit in a large L3, and its fp32 LM head
+(32,000 x 512, kept in full precision as vLLM keeps it) is most of what int4 reads.
 """
 
 from __future__ import annotations
@@ -103,6 +108,14 @@ def weight_bytes(llm: LLM) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def speed_model(name: str) -> Path:
+    if name != "shared":
+        return Path(name)
+    import _peers_checkpoint
+
+    return _peers_checkpoint.text_checkpoint(Path("/tmp/peers/ckpt"))
+
+
 def kv_bytes_per_token(llm: LLM) -> int:
     pool = llm.engine.kv
     return pool.data[:, :, 0].numel() * pool.data.element_size() // pool.block_size
@@ -131,13 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new", type=int, default=96, help="tokens generated per prompt")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--model", help="`shared` or a checkpoint directory: speed and memory only, on it"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target, _ = build_target()
-    from transformers import AutoTokenizer
+    if args.model:
+        target = speed_model(args.model)
+        prompts = [[100 + (i * 37 + j * 11) % 900 for j in range(48)] for i in range(64)]
+    else:
+        target, _ = build_target()
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target))
-    prompts = held_out_prompts(tok, 64, 48)
+        prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(target)), 64, 48)
     engines = {
         n: LLM(
             str(target),
@@ -157,14 +176,18 @@ def main(argv: list[str] | None = None) -> int:
             speed[n]["b1"] = max(speed[n]["b1"], b1)
             speed[n]["w64"] = max(speed[n]["w64"], w64)
             outputs[n] = outs
-    ppl = {n: perplexity(target, *c) for n, c in CONFIGS.items()}
     report = {
+        "model": str(target),
         "host_threads": args.threads,
         "tokens_per_s": speed,
         "speedup": {n: {k: speed[n][k] / speed["fp32"][k] for k in ("b1", "w64")} for n in engines},
-        "perplexity": ppl,
-        "perplexity_ratio": {n: ppl[n] / ppl["fp32"] for n in ppl},
         "greedy_vs_fp32": {n: agreement(outputs[n], outputs["fp32"]) for n in engines},
+    }
+    if not args.model:
+        ppl = {n: perplexity(target, *c) for n, c in CONFIGS.items()}
+        report["perplexity"] = ppl
+        report["perplexity_ratio"] = {n: ppl[n] / ppl["fp32"] for n in ppl}
+    report |= {
         "weight_mb": {n: weight_bytes(llm) / 2**20 for n, llm in engines.items()},
         "kv_bytes_per_token": {n: kv_bytes_per_token(llm) for n, llm in engines.items()},
         "resident_mb": {n: resident_mb(target, *c, args.threads) for n, c in CONFIGS.items()},

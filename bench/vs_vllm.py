@@ -4,6 +4,7 @@
         --vllm-python /tmp/peers/vllm/bin/python                    # every default workload
     ... --workloads mixed,w64 --rounds 3                            # a subset, more rounds
     ... --workloads b1,w64 --model /tmp/epd-bench-moe/top8          # another checkpoint
+    ... --workloads b1,w64 --quantized w8a8                         # its int8 / int4 twin
 
 Each system runs in its own process (``_vs_vllm_worker.py``; vLLM's in the interpreter
 given by ``--vllm-python``), loaded once per thread count and pinned with ``taskset`` (the
@@ -95,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra LLM(...) arguments of ours, JSON: '{\"max_num_batched_tokens\": 4096}'",
     )
     ap.add_argument("--base-config", type=json.loads, default={}, help="the same for base")
+    ap.add_argument(
+        "--vllm-config",
+        type=json.loads,
+        default={},
+        help='vLLM\'s LLM(...) arguments over ours, JSON: \'{"dtype": "bfloat16"}\'',
+    )
     ap.add_argument("--rounds", type=int, default=1, help="rounds per workload and system")
     ap.add_argument("--rounds2", type=int, default=3, help="rounds of the 2-thread workloads")
     ap.add_argument("--cpus", default="0", help="taskset CPU list at 1 thread")
@@ -102,6 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/peers/ckpt"))
     ap.add_argument(
         "--model", type=Path, help="another checkpoint directory (default: the shared Llama)"
+    )
+    ap.add_argument(
+        "--quantized",
+        choices=("w8a8", "gptq", "awq"),
+        help="serve the checkpoint quantized as published (tests/helpers/"
+        "quantized_checkpoints.py): compressed-tensors W8A8 int8, or GPTQ / AWQ int4, "
+        "group 128; both systems load the same files",
     )
     ap.add_argument(
         "--log-dir", type=Path, default=Path("/tmp/vs_vllm_logs"), help="each worker's stderr"
@@ -246,7 +260,7 @@ def run_group(
     if args.base_root is not None:
         systems.append(("base", Path(sys.executable), args.base_root, args.base_config))
     if args.vllm_python is not None:
-        systems.append(("vllm", args.vllm_python, HERE.parent, {}))
+        systems.append(("vllm", args.vllm_python, HERE.parent, args.vllm_config))
     workers = []
     try:
         for name, python, root, config in systems:
@@ -338,11 +352,24 @@ def report(results: dict[str, Result]) -> None:
         )
 
 
+def quantized_twin(src: Path, fmt: str) -> Path:
+    """src's weights quantized in a published format, written once beside it."""
+    sys.path.insert(0, str(HERE.parent))
+    from tests.helpers import quantized_checkpoints as q
+
+    out = src.with_name(f"{src.name}-{fmt}")
+    if fmt == "w8a8":
+        return q.write_compressed(src, out, 8)[0]
+    return (q.write_gptq if fmt == "gptq" else q.write_awq)(src, out, group=128)[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import _peers_checkpoint as ckpt
 
     model = args.model or ckpt.text_checkpoint(args.cache_dir)
+    if args.quantized:
+        model = quantized_twin(model, args.quantized)
     print(f"checkpoint {model}; workloads {', '.join(args.workloads)}", flush=True)
     results: dict[str, Result] = {}
     t0 = time.perf_counter()
