@@ -1,7 +1,7 @@
 """Decode attention of the cpu backend, one layer's call: time and K/V read rate.
 
     flock /tmp/bench.lock taskset -c 0 python bench/decode_attention.py \
-        [--rows 89] [--context 100,700] [--threads 1] [--base-lib PATH] [--kv-int8]
+        [--rows 89] [--context 100,700] [--threads 1] [--base-lib PATH] [--kv-quantized]
 
 R decode rows (one query each) with contexts drawn uniformly from the range (default: the
 mixed workload's shape at a decode step, 89 rows over ~400 tokens), the shared checkpoint's
@@ -10,8 +10,9 @@ memory written before every call (a decode step reads each layer's K/V once, fro
 Prints the best time and the rate at which it read K and V; ``--hot`` leaves the K/V in
 cache instead (the arithmetic alone). ``--base-lib`` also times another build of the kernel
 library (e.g. main's, from ``~/.cache/epd-serve/kernels``), alternating call by call, and
-checks both give the same bits. ``--kv-int8`` also times the int8 cache's kernel
-(csrc/epd_kvq8.c) over the same K/V quantized (``--kv-cache-dtype int8``), alternating.
+checks both give the same bits. ``--kv-quantized`` also times the quantized caches' kernel
+(csrc/epd_kvq8.c) over the same K/V quantized (``--kv-cache-dtype int8`` and ``fp8``),
+alternating.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def inputs(rows: int, lo: int, hi: int, hot: bool):
     return torch.randn(rows, HQ, D), kc, vc, meta, sum(ctxs) * HKV * D * 4 * 2
 
 
-def call(lib, q, kc, vc, plan: AttentionPlan, ranges, kernel="epd_par_decode_attention"):
-    """The kernel over the plan's rows, split over threads as the backend splits them."""
+def call(lib, q, kc, vc, plan: AttentionPlan, ranges, fmt: str | None = None):
+    """The kernel over the plan's rows, split over threads as the backend splits them
+    (``fmt``: a quantized cache's, int8 or fp8)."""
     p = cpu_native.ptr
     out = torch.empty_like(q)
-    rc = getattr(lib, kernel)(
+    kernel = lib.epd_par_decode_attention_q8 if fmt else lib.epd_par_decode_attention
+    rc = kernel(
         p(out),
         p(q),
         p(kc),
@@ -77,6 +80,7 @@ def call(lib, q, kc, vc, plan: AttentionPlan, ranges, kernel="epd_par_decode_att
         D,
         BS,
         D**-0.5,
+        *((fmt == "fp8",) if fmt else ()),
         *cpu_native.bounds(ranges),
     )
     assert rc == 0
@@ -91,7 +95,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--base-lib", default="")
-    ap.add_argument("--kv-int8", action="store_true", help="also the int8 cache's kernel")
+    ap.add_argument("--kv-quantized", action="store_true", help="also int8 and fp8 caches")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lo, hi = (int(x) for x in args.context.split(","))
@@ -101,12 +105,12 @@ def main() -> None:
     ranges = be._split(plan.num_rows, 8)
     ways = {"this build": lambda: call(be.lib, q, kc, vc, plan, ranges)}
     read = {"this build": nbytes}
-    if args.kv_int8:
-        k8, v8 = kv_quant.quantize(kc), kv_quant.quantize(vc)
-        ways["int8 cache"] = lambda: call(
-            be.lib, q, k8, v8, plan, ranges, "epd_par_decode_attention_q8"
+    for fmt in ("int8", "fp8") if args.kv_quantized else ():
+        k8, v8 = kv_quant.quantize(kc, fmt), kv_quant.quantize(vc, fmt)
+        ways[f"{fmt} cache"] = lambda k8=k8, v8=v8, fmt=fmt: call(
+            be.lib, q, k8, v8, plan, ranges, fmt
         )
-        read["int8 cache"] = nbytes * kv_quant.row_width(D) // (4 * D)
+        read[f"{fmt} cache"] = nbytes * kv_quant.row_width(D) // (4 * D)
     if args.base_lib:
         base = ctypes.CDLL(args.base_lib)
         res, types = cpu_native._SIGNATURES["epd_par_decode_attention"]

@@ -1,12 +1,13 @@
 """Quantized weights (``--quantization int8|int4``) and the int8 KV cache
-(``--kv-cache-dtype int8``) against fp32: quality, speed, memory.
+(``--kv-cache-dtype int8|fp8``) against fp32: quality, speed, memory.
 
     python bench/quantization.py [--threads 1] [--rounds 2] [--json out.json]
     python bench/quantization.py --model shared      # speed and memory of a 56 M Llama
 
 On the trained code model of bench/spec_decode.py (built and cached on first use, ~5
-CPU-minutes; ~11 M parameters, weight-bound at batch 1), five configurations: fp32,
-int8 and int4 weights, fp32 weights with the int8 KV cache, int8 weights with it:
+CPU-minutes; ~11 M parameters, weight-bound at batch 1), six configurations: fp32,
+int8 and int4 weights, fp32 weights with the int8 or the fp8 KV cache, int8 weights with
+the int8 one:
 
 1. quality: perplexity on held-out stdlib text of the model with each linear replaced by
    its dequantized codes and, with the int8 KV cache, every key and value read through
@@ -47,7 +48,7 @@ from spec_decode import held_out_prompts  # noqa: E402
 from services.kernels.quant import quantize  # noqa: E402
 from services.llm import LLM  # noqa: E402
 from services.sampling_params import SamplingParams  # noqa: E402
-from tests.helpers.reference import read_kv_as_int8  # noqa: E402
+from tests.helpers.reference import read_kv_quantized  # noqa: E402
 
 # name -> (weights, KV cache dtype)
 CONFIGS = {
@@ -55,12 +56,14 @@ CONFIGS = {
     "int8": ("int8", "auto"),
     "int4": ("int4", "auto"),
     "kv-int8": (None, "int8"),
+    "kv-fp8": (None, "fp8"),
     "int8+kv-int8": ("int8", "int8"),
 }
 GOALS = {
     "ppl_int8": 1.01,
     "ppl_int4": 1.05,
     "ppl_kv-int8": 1.01,
+    "ppl_kv-fp8": 1.01,
     "b1_int8": 1.8,
     "b1_int4": 2.5,
     "w64_int8": 1.0,
@@ -76,8 +79,8 @@ def perplexity(target: Path, weights: str | None, kv: str) -> float:
             for mod_name, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear) and not mod_name.endswith("lm_head"):
                     mod.weight.copy_(quantize(mod.weight, weights).dequantize())
-    if kv == "int8":
-        read_kv_as_int8(model)
+    if kv != "auto":
+        read_kv_quantized(model, kv)
     with torch.inference_mode():
         loss = held_out_loss(Recipe(), model, AutoTokenizer.from_pretrained(str(target)))
     return math.exp(loss)

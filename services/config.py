@@ -55,11 +55,11 @@ class EngineConfig(Settings):
     )
     kv_cache_dtype: str = setting(
         "auto",
-        doc="The KV cache's values (docs/quantization.md): `auto` (those of `dtype`) or "
-        "`int8` (a scale per token and KV head; about a quarter of fp32's memory, so "
-        "four times the tokens in `kv_cache_memory_mb`). Prefill and decode instances of "
-        "one fleet must agree. cpu and torch backends.",
-        choices=("auto", "int8"),
+        doc="The KV cache's values (docs/quantization.md): `auto` (those of `dtype`), "
+        "`int8` or `fp8` (e4m3), each with a scale per token and KV head: about a "
+        "quarter of fp32's memory, so four times the tokens in `kv_cache_memory_mb`. "
+        "Prefill and decode instances of one fleet must agree. cpu and torch backends.",
+        choices=("auto", "int8", "fp8"),
     )
     load_format: str = setting(
         "auto",

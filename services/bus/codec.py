@@ -37,8 +37,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "int32": torch.int32,
     "int64": torch.int64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,  # int8 KV caches (services/kernels/kv_quant.py)
+    "uint8": torch.uint8,  # also fp8 KV caches (services/kernels/kv_quant.py)
+    "int8": torch.int8,  # int8 KV caches
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_NDIM = 8

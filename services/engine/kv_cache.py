@@ -10,9 +10,9 @@ MIB = 1 << 20
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one token's vector of one head: ``head_dim``, or in an int8 cache its
-    codes and scale (services/kernels/kv_quant.py)."""
-    return kv_quant.row_width(head_dim) if dtype == torch.int8 else head_dim
+    """Elements of one token's vector of one head: ``head_dim``, or in a quantized cache
+    its codes and scale (services/kernels/kv_quant.py)."""
+    return kv_quant.row_width(head_dim) if kv_quant.quantized_dtype(dtype) else head_dim
 
 
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -23,8 +23,8 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
 
 class KVCachePool:
     """``data`` is [2, layers, blocks, block_size, kv_heads, width]; block ids index dim 2.
-    ``width`` is the head size, or for ``dtype`` int8 the head size plus the four bytes of
-    each row's scale."""
+    ``width`` is the head size, or for a quantized cache (``dtype`` int8, or uint8 holding
+    fp8 codes) the head size plus the four bytes of each row's scale."""
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         if num_blocks < 1:

@@ -30,6 +30,7 @@ from services.engine.spec.decoding import SpecDecoding
 from services.engine.step_metrics import observe_scheduled, observe_step
 from services.engine.thinking import thinking_pending
 from services.images import ImagePreprocessor
+from services.kernels import kv_quant
 from services.kernels.backend import get_backend
 from services.models.factory import LoadedModel, load_model, resolve_device
 from services.models.registry import is_multimodal
@@ -152,8 +153,11 @@ class LLMEngine(EngineRequests):
         if self.config.kv_cache_dtype == "auto":
             return lm.dtype
         if self.backend.name == "triton":
-            raise ValueError("kv_cache_dtype int8 is served by the cpu and torch backends only")
-        return torch.int8
+            raise ValueError(
+                f"kv_cache_dtype {self.config.kv_cache_dtype} is served by the cpu and torch "
+                "backends only"
+            )
+        return kv_quant.FORMATS[self.config.kv_cache_dtype][0]
 
     def _make_kv_pool(self, lm: LoadedModel) -> KVCachePool:
         c, m = self.config, lm.model

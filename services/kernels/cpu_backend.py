@@ -123,21 +123,13 @@ class CpuBackend:
         hq, d, ts = query.shape[1], query.shape[2], plan.tables.stride(0)
 
         common = (_ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(plan.tables), ts)
-        rows = (
-            self.lib.epd_par_decode_attention_q8 if quantized else self.lib.epd_par_decode_attention
-        )
-        rc = rows(
-            *common,
-            _ptr(plan.lens),
-            _ptr(plan.rows),
-            _ptr(plan.seqs),
-            hq,
-            hkv,
-            d,
-            bs,
-            scale,
-            *_bounds(self._split(plan.num_rows, 8)),
-        )
+        row_args = (_ptr(plan.lens), _ptr(plan.rows), _ptr(plan.seqs), hq, hkv, d, bs, scale)
+        bounds = _bounds(self._split(plan.num_rows, 8))
+        if quantized:
+            fp8 = kv_quant.format_of(k_cache) == "fp8"
+            rc = self.lib.epd_par_decode_attention_q8(*common, *row_args, fp8, *bounds)
+        else:
+            rc = self.lib.epd_par_decode_attention(*common, *row_args, *bounds)
         if rc != 0:
             raise MemoryError("attention: out of memory for its scratch")
         rc = self.lib.epd_par_extend_attention(

@@ -104,9 +104,9 @@ _SIGNATURES = {
     ),
     "epd_par_decode_attention_q8": (
         ctypes.c_int,
-        [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],
+        [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, ctypes.c_int, _P, _I64],
     ),
-    "epd_kv_quantize": (None, [_P, _P, _I64, _I64]),
+    "epd_kv_quantize": (None, [_P, _P, _I64, _I64, ctypes.c_int]),
     "epd_par_extend_attention": (
         ctypes.c_int,
         [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _F, _P, _I64],

@@ -15,6 +15,9 @@ from services.kernels.cpu_native import ptr as _ptr
 from services.kernels.metadata import DecoderStack
 from services.kernels.quant import QuantizedWeight
 
+# dims[D_KV_FORMAT] of epd_decode.c: 0 a float cache, else its codes' kind (epd_kvq8.c)
+KV_FORMATS = {"int8": 1, "fp8": 2}
+
 _F32 = torch.float32
 
 
@@ -88,9 +91,10 @@ class StackPointers:
         qkvw = (hq + 2 * hkv) * d
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
-        # int8 caches (kv_quant.py): rows of codes and scale, read by epd_kvq8.c
-        self.kv_int8 = kv_quant.is_quantized(k0)
-        width = kv_quant.row_width(d) if self.kv_int8 else d
+        # quantized caches (kv_quant.py): rows of codes and scale, read by epd_kvq8.c
+        quantized = kv_quant.is_quantized(k0)
+        self.kv_format = KV_FORMATS[kv_quant.format_of(k0)] if quantized else 0
+        width = kv_quant.row_width(d) if quantized else d
         cache_shape = (self.num_blocks, self.block_size, hkv, width)
         rot = s.rope.shape[-1] if s.rope.dim() == 2 else -1
         self.ok = (
@@ -126,7 +130,7 @@ class StackPointers:
                 and all(v is None or (_fp32(v) and v.shape == (n,)) for v, n in vecs)
                 and (w.q_norm is None) == (w.k_norm is None)
                 and (
-                    kv_quant.is_quantized(kc, vc) and d % 8 == 0 if self.kv_int8 else _fp32(kc, vc)
+                    kv_quant.is_quantized(k0, kc, vc) and d % 8 == 0 if quantized else _fp32(kc, vc)
                 )
                 and kc.shape == vc.shape == cache_shape
             )
@@ -146,7 +150,7 @@ class StackPointers:
             return self._buffers[1:]
         if held != key:
             dims = torch.tensor(
-                [m, *self.dims, key[1], key[2], len(self.stack.layers), int(self.kv_int8)],
+                [m, *self.dims, key[1], key[2], len(self.stack.layers), self.kv_format],
                 dtype=torch.int64,
             )
             size = (

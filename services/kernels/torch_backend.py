@@ -31,7 +31,8 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if kv_quant.is_quantized(k_cache):
-        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+        fmt = kv_quant.format_of(k_cache)
+        key, value = kv_quant.quantize(key, fmt), kv_quant.quantize(value, fmt)
     nb, bs, h, w = k_cache.shape
     k_cache.view(nb * bs, h, w).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(nb * bs, h, w).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

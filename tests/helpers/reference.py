@@ -78,25 +78,26 @@ def check_greedy(out, ref, tol: float = 1e-3) -> None:
             assert abs(ours[tid].logprob - lp) < tol
 
 
-def _int8_kv_attention(module, query, key, value, *args, **kwargs):
+def _quantized_kv_attention(fmt: str):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from services.kernels import kv_quant
 
-    def through_int8(x):
-        return kv_quant.dequantize(kv_quant.quantize(x), x.dtype)
+    def through(x):
+        return kv_quant.dequantize(kv_quant.quantize(x, fmt), x.dtype)
 
-    return sdpa_attention_forward(
-        module, query, through_int8(key), through_int8(value), *args, **kwargs
-    )
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, through(key), through(value), *args, **kwargs)
+
+    return attention
 
 
-def read_kv_as_int8(model):
-    """``model`` (transformers) made to attend to every key and value through the int8 KV
-    cache's quantization (codes and a scale per token and KV head, dequantized): the
-    arithmetic of ``--kv-cache-dtype int8``, in full precision otherwise."""
+def read_kv_quantized(model, fmt: str = "int8"):
+    """``model`` (transformers) made to attend to every key and value through a quantized
+    KV cache's rounding (``fmt`` codes and a scale per token and KV head, dequantized): the
+    arithmetic of ``--kv-cache-dtype fmt``, in full precision otherwise."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register("epd_int8_kv", _int8_kv_attention)
-    model.config._attn_implementation = "epd_int8_kv"
+    AttentionInterface.register(f"epd_{fmt}_kv", _quantized_kv_attention(fmt))
+    model.config._attn_implementation = f"epd_{fmt}_kv"
     return model

@@ -102,12 +102,14 @@ def test_fused_step_with_quantized_weights(tiny_root, threads, method, rows):
     _check_fused_step(_llm(tiny_root, "qwen3", {}, method), rows, exact=True)
 
 
-@pytest.mark.parametrize("kind,weights", [("llama", None), ("qwen3", "int8")])
+@pytest.mark.parametrize(
+    "kind,weights,fmt", [("llama", None, "int8"), ("qwen3", "int8", "int8"), ("llama", None, "fp8")]
+)
 @pytest.mark.parametrize("rows", [1, 7])
-def test_fused_step_with_an_int8_kv_cache(tiny_root, threads, kind, weights, rows):
-    # The step writes int8 rows with epd_kv_quantize, the layer path with kv_quant.quantize.
-    llm = _llm(tiny_root, kind, {}, weights, kv_cache_dtype="int8")
-    assert llm.engine.kv.data.dtype == torch.int8
+def test_fused_step_with_a_quantized_kv_cache(tiny_root, threads, kind, weights, fmt, rows):
+    # The step writes rows with epd_kv_quantize, the layer path with kv_quant.quantize.
+    llm = _llm(tiny_root, kind, {}, weights, kv_cache_dtype=fmt)
+    assert kv_quant.format_of(llm.engine.kv.data) == fmt
     _check_fused_step(llm, rows, exact=threads == 1 or weights is not None)
 
 
@@ -115,7 +117,9 @@ def _random_cache(like: torch.Tensor, gen) -> torch.Tensor:
     if not kv_quant.is_quantized(like):
         return torch.randn(like.shape, generator=gen)
     d = kv_quant.head_dim(like)
-    return kv_quant.quantize(torch.randn((*like.shape[:-1], d), generator=gen))
+    return kv_quant.quantize(
+        torch.randn((*like.shape[:-1], d), generator=gen), kv_quant.format_of(like)
+    )
 
 
 def _check_fused_step(llm: LLM, rows: int, exact: bool) -> None:

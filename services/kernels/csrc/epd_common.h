@@ -192,11 +192,11 @@ int epd_decode_attention(float *out, const float *q, const float *kc, const floa
                          const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
                          int64_t hkv, int64_t d, int64_t bs, float scale);
 void epd_softmax(float *s, int64_t n);
-void epd_kv_quantize(int8_t *dst, const float *x, int64_t n, int64_t d);
-int epd_decode_attention_q8(float *out, const float *q, const int8_t *kc, const int8_t *vc,
+void epd_kv_quantize(void *dst, const float *x, int64_t n, int64_t d, int fp8);
+int epd_decode_attention_q8(float *out, const float *q, const void *kc, const void *vc,
                             const int32_t *tables, int64_t table_stride, const int32_t *lens,
                             const int64_t *rows, const int64_t *seqs, int64_t n, int64_t hq,
-                            int64_t hkv, int64_t d, int64_t bs, float scale);
+                            int64_t hkv, int64_t d, int64_t bs, float scale, int fp8);
 int epd_extend_attention(float *out, const float *q, const float *kc, const float *vc,
                          const int32_t *tables, int64_t table_stride, const int64_t *units,
                          int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale);

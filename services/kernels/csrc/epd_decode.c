@@ -56,9 +56,10 @@ static int64_t linear_team(float *y, const float *x, const int64_t *L, int wt, i
 /* Sizes, in this order. */
 enum {
     D_ROWS, D_HIDDEN, D_HQ, D_HKV, D_HEAD, D_INTER, D_ROT, D_MAX_POS, D_NUM_BLOCKS,
-    D_BLOCK, D_TABLE_STRIDE, D_TABLE_WIDTH, D_LAYERS, D_KV_INT8, D_NDIMS
+    D_BLOCK, D_TABLE_STRIDE, D_TABLE_WIDTH, D_LAYERS, D_KV_FORMAT, D_NDIMS
 };
-/* D_KV_INT8: 1 when the caches hold int8 rows with their scales (csrc/epd_kvq8.c). */
+/* D_KV_FORMAT: 0 float caches, else rows of codes and their scales (csrc/epd_kvq8.c): 1
+ * int8 codes, 2 fp8 ones. */
 
 
 /* The step's indices are read as raw offsets below: check them all first. */
@@ -77,12 +78,12 @@ static int check_step(const int64_t *dm, const int64_t *pos, const int64_t *slot
 }
 
 /* One token's K and V (hkv heads of d floats each) into its cache slot, as they are or as
- * int8 rows with their scales. */
+ * rows of codes (format: D_KV_FORMAT's) with their scales. */
 static void write_kv(void *kc, void *vc, int64_t slot, const float *k, const float *v,
-                     int64_t hkv, int64_t d, int64_t int8_rows) {
-    if (int8_rows) {
-        epd_kv_quantize((int8_t *)kc + slot * hkv * (d + 4), k, hkv, d);
-        epd_kv_quantize((int8_t *)vc + slot * hkv * (d + 4), v, hkv, d);
+                     int64_t hkv, int64_t d, int64_t format) {
+    if (format) {
+        epd_kv_quantize((uint8_t *)kc + slot * hkv * (d + 4), k, hkv, d, format == 2);
+        epd_kv_quantize((uint8_t *)vc + slot * hkv * (d + 4), v, hkv, d, format == 2);
         return;
     }
     memcpy((float *)kc + slot * hkv * d, k, sizeof(float) * (size_t)(hkv * d));
@@ -190,15 +191,16 @@ static int stack_step(float *out, const aux_t *aux, const float *h, const int64_
                 epd_rms_norm(ki, NULL, ki, NULL, P(L, L_K_NORM), hkv, d, eps);
             }
             epd_rotary(qi, ki, pos + i, cs, 1, hq, hkv, d, dm[D_ROT], 1);
-            if (slots[i] >= 0) write_kv(kc, vc, slots[i], ki, vi, hkv, d, dm[D_KV_INT8]);
+            if (slots[i] >= 0) write_kv(kc, vc, slots[i], ki, vi, hkv, d, dm[D_KV_FORMAT]);
         }
         /* Every row's K/V is in the cache before any row attends: rows of one sequence (a
          * verification's drafts) read each other's, whichever thread wrote them. */
         if ((err = epd_team_sync(sync, nt))) break;
         for (int64_t i = tid; i < m; i += nt)
-            if (dm[D_KV_INT8] ? epd_decode_attention_q8(att, q, kc, vc, tables, dm[D_TABLE_STRIDE],
-                                                        lens + i, rows + i, rows + i, 1, hq, hkv,
-                                                        d, bs, scale)
+            if (dm[D_KV_FORMAT] ? epd_decode_attention_q8(att, q, kc, vc, tables,
+                                                          dm[D_TABLE_STRIDE], lens + i, rows + i,
+                                                          rows + i, 1, hq, hkv, d, bs, scale,
+                                                          dm[D_KV_FORMAT] == 2)
                               : epd_decode_attention(att, q, kc, vc, tables, dm[D_TABLE_STRIDE],
                                                      lens + i, rows + i, rows + i, 1, hq, hkv, d,
                                                      bs, scale))

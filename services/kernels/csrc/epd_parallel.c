@@ -42,16 +42,17 @@ int epd_par_decode_attention(float *out, const float *q, const float *kc, const 
     return err;
 }
 
-int epd_par_decode_attention_q8(float *out, const float *q, const int8_t *kc, const int8_t *vc,
+int epd_par_decode_attention_q8(float *out, const float *q, const void *kc, const void *vc,
                                 const int32_t *tables, int64_t ts, const int32_t *lens,
                                 const int64_t *rows, const int64_t *seqs, int64_t hq, int64_t hkv,
-                                int64_t d, int64_t bs, float scale, const int64_t *b, int64_t nr) {
+                                int64_t d, int64_t bs, float scale, int fp8, const int64_t *b,
+                                int64_t nr) {
     int err = 0;
     RANGES
     for (int64_t r = 0; r < nr; r++) {
         const int64_t lo = b[r];
         int rc = epd_decode_attention_q8(out, q, kc, vc, tables, ts, lens + lo, rows + lo,
-                                         seqs + lo, b[r + 1] - lo, hq, hkv, d, bs, scale);
+                                         seqs + lo, b[r + 1] - lo, hq, hkv, d, bs, scale, fp8);
         KEEP_ERROR(rc)
     }
     return err;
