@@ -3,6 +3,7 @@ a token reads, and against the same model reading every expert.
 
     python bench/moe_decode.py              # one thread, ~3 minutes
     python bench/moe_decode.py --threads 2
+    python bench/moe_decode.py --quantization int8   # also the top-8 model, quantized
 
 A random-weight Qwen3-MoE in fp32 (hidden 1024, 4 layers, 16 query / 4 KV heads of 64,
 64 experts of intermediate 512, 8 a token, vocabulary 32,000, untied head: 0.48 B
@@ -11,6 +12,8 @@ time of 129 tokens minus the time of 1, best of 3, interleaved with the "every e
 variant (the same weights with ``num_experts_per_tok`` = 64, so every expert runs every
 token). The floor: the bytes a token must read (everything but the unchosen experts: 8 of
 64 per layer) at the read rate of one large fp32 GEMV through the backend's own kernel.
+``--quantization``: the top-8 model with its layers and experts quantized, interleaved too,
+against the fp32 one.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quantization", choices=("int8", "int4"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     top, every = checkpoint()
@@ -119,6 +123,9 @@ def main() -> int:
         "top-8 of 64": LLM(str(top), num_kv_blocks=64),
         "every expert": LLM(str(every), num_kv_blocks=64),
     }
+    quantized = f"top-8, {args.quantization}"
+    if args.quantization:
+        llms[quantized] = LLM(str(top), num_kv_blocks=64, quantization=args.quantization)
     prompt = list(range(100, 116))
     rates: dict[str, float] = {k: 0.0 for k in llms}
     for _ in range(args.rounds):
@@ -134,6 +141,8 @@ def main() -> int:
     for name, r in rates.items():
         print(f"{name:<14} {r:7.1f} tok/s  {r / floor:6.1%} of the top-8 floor")
     print(f"top-8 against every expert: {rates['top-8 of 64'] / rates['every expert']:.2f}x")
+    if args.quantization:
+        print(f"{quantized} against fp32: {rates[quantized] / rates['top-8 of 64']:.2f}x")
     return 0
 
 

@@ -50,6 +50,9 @@ class ExpertDispatch(nn.Module):
         # Each expert's weight slices as views made once: the CPU GEMM keeps a packed
         # copy per weight tensor object, and a fresh view per call would repack it.
         self.views: list[tuple[torch.Tensor, ...]] | None = None
+        # With --quantization: per expert, one QuantLinear per matrix of expert_weights()
+        # (services/models/quantize.py quantize_experts), which then hold nothing.
+        self.quantized: nn.ModuleList | None = None
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
@@ -60,7 +63,11 @@ class ExpertDispatch(nn.Module):
     def combine(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """sum over k of weights[t, k] * expert[experts[t, k]](h[t]), per token t."""
         if self.views is None:
-            self.views = list(zip(*(w.unbind(0) for w in self.expert_weights()), strict=True))
+            self.views = (
+                [tuple(q.weight for q in mats) for mats in self.quantized]
+                if self.quantized is not None
+                else list(zip(*(w.unbind(0) for w in self.expert_weights()), strict=True))
+            )
         weights = weights.flatten()
         out = torch.zeros_like(h)
         if h.shape[0] == 1:  # batch-1 decode: the token's k experts, ascending, no grouping
@@ -108,7 +115,7 @@ class MoEMLP(ExpertDispatch):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(h.dtype)
-        if self.backend.name == "triton":
+        if self.backend.name == "triton" and self.quantized is None:
             return self._grouped(h, experts, weights.flatten())
         return self.combine(h, experts, weights)
 

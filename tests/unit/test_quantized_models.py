@@ -12,6 +12,7 @@ from torch import nn
 
 from services.llm import LLM
 from services.models.checkpoint import CheckpointError
+from services.models.moe import ExpertDispatch
 from services.models.quantize import QuantLinear
 from services.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_text_checkpoint
@@ -25,8 +26,9 @@ PROMPTS = [[5 + (i * 37 + j * 11) % 900 for j in range(n)] for i, n in enumerate
 
 
 def _dequantized_hf(ckpt, method: str):
-    """transformers' model of ckpt, its linears (not the head, not a router) replaced by
-    their quantized-then-dequantized weights."""
+    """transformers' model of ckpt, its linears (not the head, not a router) and each
+    expert's matrices ([E, out, in] stacks) replaced by their quantized-then-dequantized
+    weights."""
     from services.kernels.quant import quantize
 
     hf = load_hf(ckpt)
@@ -34,6 +36,10 @@ def _dequantized_hf(ckpt, method: str):
         for name, mod in hf.named_modules():
             if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in ("lm_head", "gate"):
                 mod.weight.copy_(quantize(mod.weight, method).dequantize())
+        for name, p in hf.named_parameters():
+            if ".experts." in name and p.dim() == 3:
+                for e in range(p.shape[0]):
+                    p[e].copy_(quantize(p[e], method).dequantize())
     return hf
 
 
@@ -43,6 +49,9 @@ CASES = [
     ("llama", "int4", "torch"),
     ("nemotron_h", "int8", "cpu"),
     ("nemotron_h", "int4", "cpu"),
+    ("qwen3_moe", "int8", "cpu"),
+    ("mixtral", "int4", "cpu"),
+    ("qwen3_moe", "int4", "torch"),
 ]
 
 
@@ -64,6 +73,8 @@ def test_greedy_matches_transformers_on_dequantized_weights(
     model = llm.engine.loaded.model
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert quantized and all(m.method == method for m in quantized)
+    moes = [m for m in model.modules() if isinstance(m, ExpertDispatch)]
+    assert all(m.quantized is not None for m in moes) and (moes or kind == "llama")
     assert not isinstance(getattr(model, "lm_head", None), QuantLinear)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     for _ in range(2):  # the second time the llama prompts come from the prefix cache
