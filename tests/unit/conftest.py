@@ -9,6 +9,7 @@ import torch
 
 from services.kernels.cpu_backend import CpuBackend
 from tests.helpers.checkpoints import make_llava_checkpoint, make_text_checkpoint
+from tests.helpers.threads import set_threads
 
 
 @pytest.fixture(scope="session")
@@ -26,14 +27,9 @@ def llava_ckpt(tiny_root) -> Path:
     return make_llava_checkpoint(tiny_root)
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
-def threads(request):
-    """Torch's thread count (the cpu backend's whole-step team is capped at the CPUs this
-    process may use). Modules that want other counts define their own."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
+# Torch's thread count (the cpu backend's whole-step team is capped at the CPUs this
+# process may use). Modules that want other counts make their own from set_threads.
+threads = pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])(set_threads)
 
 
 @pytest.fixture

@@ -14,17 +14,13 @@ import torch
 
 from services.kernels import cpu_attention
 from services.kernels import torch_backend as ref
+from tests.helpers.threads import set_threads
 from tests.unit.test_cpu_kernels import _meta
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
+threads = pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])(set_threads)
 
 
 def _check(be, query_lens, seq_lens, hq, hkv, d, seed, bs=16):

@@ -20,16 +20,12 @@ from services.kernels import cpu_native
 from services.kernels import torch_backend as ref
 from services.kernels.backend import get_backend
 from services.kernels.metadata import AttentionMetadata
+from tests.helpers.threads import set_threads
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
+threads = pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])(set_threads)
 
 
 def _meta(query_lens, seq_lens, num_blocks, bs, gen) -> AttentionMetadata:

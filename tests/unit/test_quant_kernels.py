@@ -21,6 +21,7 @@ from services.kernels.quant import (
     reference_linear,
 )
 from services.models.quantize import QuantLinear
+from tests.helpers.threads import set_threads
 
 ROWS = (1, 2, 3, 4, 5, 6, 7, 13, 33)
 SHAPES = [(7, 32), (40, 64), (300, 256), (97, 384)]  # (n, k): partial last panels
@@ -34,12 +35,7 @@ def cpu():
     return be
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
+threads = pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])(set_threads)
 
 
 def test_int8_round_trip_within_half_a_step():

@@ -17,7 +17,7 @@ from services.models.quantize import QuantLinear
 from services.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_text_checkpoint
 from tests.helpers.quantized_checkpoints import write_awq, write_compressed, write_gptq
-from tests.helpers.reference import hf_greedy, load_hf
+from tests.helpers.reference import check_greedy, hf_greedy, load_hf
 
 pytestmark = pytest.mark.slow
 
@@ -79,12 +79,8 @@ def test_greedy_matches_transformers_on_dequantized_weights(
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     for _ in range(2):  # the second time the llama prompts come from the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        for out, (ids, top) in zip(outs, refs, strict=True):
-            comp = out.outputs[0]
-            assert comp.token_ids == ids
-            for ours, theirs in zip(comp.logprobs, top, strict=False):
-                for tid, lp in theirs:
-                    assert abs(ours[tid].logprob - lp) < 2e-3
+        for out, ref in zip(outs, refs, strict=True):
+            check_greedy(out, ref, tol=2e-3)
 
 
 def test_unknown_method_is_a_clear_error(llama_ckpt):
@@ -115,11 +111,8 @@ def test_published_quantized_checkpoint_loads_its_own_codes(tmp_path_factory, fm
         assert qkv.group == 32  # the checkpoint's groups, not ours
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    for out, (ids, top) in zip(outs, refs, strict=True):
-        assert out.outputs[0].token_ids == ids
-        for ours, theirs in zip(out.outputs[0].logprobs, top, strict=False):
-            for tid, lp in theirs:
-                assert abs(ours[tid].logprob - lp) < 2e-3
+    for out, ref in zip(outs, refs, strict=True):
+        check_greedy(out, ref, tol=2e-3)
     with pytest.raises(ValueError, match="quantized already"):
         LLM(str(ckpt), quantization="int8")
 
