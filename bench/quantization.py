@@ -12,7 +12,7 @@ the int8 one:
 1. quality: perplexity on held-out stdlib text of the model with each linear replaced by
    its dequantized codes and, with the int8 KV cache, every key and value read through
    its quantization (transformers runs it: the arithmetic our kernels do, see
-   tests/unit/test_quantized_models.py and test_kv_int8_models.py), and the engine's
+   tests/unit/test_quantized_models.py and test_kv_quant_models.py), and the engine's
    greedy continuations of held-out prompts against fp32's (identical continuations;
    tokens before the first difference);
 2. speed: the engine (``LLM``) at batch 1 (decode tokens/s) and with 64 prompts at once

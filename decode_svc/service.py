@@ -43,7 +43,7 @@ class DecodeService(EngineService):
         self.adopted = 0
 
     async def _register(self, llm: LLMEngine) -> None:
-        # The pool's own rows: an int8 cache's carry their scales (kv_cache.row_width).
+        # The pool's own rows: a quantized cache's carry their scales (kv_cache.row_width).
         pool = llm.kv.data
         layout = (
             llm.loaded.num_kv_layers,

@@ -118,7 +118,7 @@ class KVImports:
             len(holder.block_ids),
             bs,
             eng.model.num_kv_heads,
-            eng.kv.data.shape[-1],  # an int8 cache's rows carry their scales
+            eng.kv.data.shape[-1],  # a quantized cache's rows carry their scales
         )
         if -(-len(token_ids) // bs) != len(holder.block_ids):
             raise ValueError(f"{len(token_ids)} tokens do not fit the reserved blocks")

@@ -55,7 +55,7 @@ class AttentionPlan:
         num_blocks, block_size, hkv, _ = k_cache.shape
         self.key = plan_key(k_cache, hq)
         self.starts = ref.query_starts(meta)
-        # An int8 cache has the per-row kernel only (epd_kvq8.c).
+        # A quantized cache has the per-row kernel only (epd_kvq8.c).
         quantized = kv_quant.is_quantized(k_cache)
         tile = not quantized and tile_kernel_takes(hq, hkv, kv_quant.head_dim(k_cache))
         rows, seqs, lens, units, costs = [], [], [], [], []

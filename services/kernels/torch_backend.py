@@ -42,7 +42,7 @@ def gather_blocks(
     cache: torch.Tensor, blocks: torch.Tensor, length: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """[num_blocks, bs, H, D] indexed by a block list -> the first `length` rows [L, H, D]
-    as values of ``dtype`` (an int8 cache's rows dequantized)."""
+    as values of ``dtype`` (a quantized cache's rows dequantized)."""
     _, bs, h, w = cache.shape
     # index_select copies whole blocks; advanced indexing is several times slower on CPU.
     return kv_quant.readable(cache.index_select(0, blocks).view(-1, h, w)[:length], dtype)

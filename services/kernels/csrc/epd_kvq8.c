@@ -11,7 +11,7 @@
  * Each K or V row is widened to fp32 once (AVX2: eight codes a few instructions) and read
  * from L1 by every query head of its GQA group; a key's scale multiplies its finished dot
  * product, a value's scale its softmax weight. A row costs d + 4 bytes from memory where
- * the fp32 cache costs 4d: at long contexts the int8 cache is faster, at short ones even.
+ * the fp32 cache costs 4d: at long contexts a quantized cache is faster, at short ones even.
  * One query row at a time, each of its sums in a fixed order: a row's result does not
  * depend on its batch. */
 #include "epd_common.h"
